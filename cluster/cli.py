@@ -1,0 +1,50 @@
+"""`grpo`: the command line. Bad input exits with status 2 and one line, before any actor starts."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo", description="Distributed GRPO training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run a GRPO training job (Hydra-style overrides: a.b=1 group=option)")
+    train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    train.add_argument("overrides", nargs="*", help="e.g. trainer.max_steps=10 logger=none +reward.weights.x=1")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"grpo: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from cluster.compose import ConfigError, compose_config, load_config
+
+    try:
+        if args.cfg:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
+            load_config(args.overrides)  # still report an impossible setting
+            return 0
+        cfg = load_config(args.overrides)
+        from cluster.train import train
+        from rollout.datasets import DataError
+
+        try:
+            train(cfg)
+        except DataError as exc:
+            return _fail(str(exc))
+    except ConfigError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Compose the run's config: schema <- conf/ YAML groups <- command-line overrides (Hydra grammar).
+
+Every way a config can be wrong ends here as a `ConfigError` with one line that names the key,
+so the CLI can exit with status 2 before Ray or any actor starts.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import List, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from cluster.config import Config
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+SCHEMA_NAME = "grpo_schema"
+# Schema fields that are free-form mappings: any sub-key is valid there.
+MAPPING_KEYS = ("reward.weights.",)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; its message is one line naming the key to change."""
+
+
+def schema_keys(node=Config, prefix: str = "") -> List[str]:
+    """Every dotted key of the schema, e.g. `trainer.max_steps`."""
+    keys = []
+    for f in fields(node):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(schema_keys(type(default), key + "."))
+    return keys
+
+
+def _nearest_key(key: str) -> str:
+    candidates = schema_keys()
+    # Prefer keys in the same section, then any key: a typo rarely changes the section.
+    section = key.split(".")[0] + "."
+    same = [c for c in candidates if c.startswith(section)]
+    match = difflib.get_close_matches(key, same, n=1, cutoff=0.5) or difflib.get_close_matches(
+        key, candidates, n=1, cutoff=0.5
+    )
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _explain(exc: Exception, overrides: Sequence[str]) -> str:
+    """Turn Hydra's multi-line composition errors into one line naming the key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    known = set(schema_keys())
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as parse_error:  # the grammar itself was violated
+        return f"cannot parse overrides: {str(parse_error).splitlines()[0]}"
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_delete() or override.is_add() or key in known:
+            continue
+        if "." not in key and key in {"model", "data", "logger"}:
+            continue  # a config group choice; Hydra's own message below names the options
+        if not key.startswith(MAPPING_KEYS):
+            return f"unknown config key '{key}'{_nearest_key(key)}"
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), "")
+    text = lines[0] if lines else type(cause).__name__
+    if "Could not find" in text or "options" in str(exc):
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{full_key}: {text}" if full_key and full_key not in text else text
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """Schema + conf/config.yaml defaults + overrides, as a typed (struct) DictConfig."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="grpo"):
+            return compose(config_name="config", overrides=list(overrides))
+    except Exception as exc:  # Hydra/OmegaConf raise many types; all are a bad config here
+        raise ConfigError(_explain(exc, overrides)) from exc
+
+
+def load_config(overrides: Sequence[str] = ()) -> Config:
+    """Composed, type-checked and validated config as the schema's dataclass."""
+    cfg = compose_config(overrides)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required: set it on the command line ({missing[0]}=...)")
+    try:
+        config = OmegaConf.to_object(cfg)
+    except Exception as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from exc
+    assert isinstance(config, Config)
+    validate(config)
+    return config
+
+
+def _one_of(key: str, value, options) -> None:
+    if value not in options:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, options))} (got '{value}')")
+
+
+def _at_least(key: str, value, minimum) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} must be at least {minimum} (got {value})")
+
+
+def validate(cfg: Config) -> None:
+    """Settings that type-check but cannot run. Raises ConfigError naming the key."""
+    _at_least("algo.group_size", cfg.algo.group_size, 2)
+    _at_least("algo.num_iterations", cfg.algo.num_iterations, 1)
+    _at_least("algo.beta", cfg.algo.beta, 0.0)
+    _at_least("algo.clip_low", cfg.algo.clip_low, 0.0)
+    _at_least("algo.clip_high", cfg.algo.clip_high, 0.0)
+    _one_of("algo.adv_scale", cfg.algo.adv_scale, ("group", "batch", "none"))
+    _one_of("algo.adv_estimator", cfg.algo.adv_estimator, ("grpo", "rloo"))
+    _one_of("algo.kl_estimator", cfg.algo.kl_estimator, ("k1", "k2", "k3"))
+    _one_of("algo.loss_agg", cfg.algo.loss_agg,
+            ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
+    _at_least("trainer.max_steps", cfg.trainer.max_steps, 0)
+    _at_least("trainer.prompts_per_step", cfg.trainer.prompts_per_step, 1)
+    _at_least("rollout.num_workers", cfg.rollout.num_workers, 1)
+    _at_least("learner.num_ranks", cfg.learner.num_ranks, 1)
+    _at_least("learner.minibatches", cfg.learner.minibatches, 1)
+    _at_least("reward.num_workers", cfg.reward.num_workers, 1)
+    _one_of("learner.zero_stage", cfg.learner.zero_stage, (0, 1, 2, 3))
+    _one_of("learner.backend", cfg.learner.backend, ("auto", "gloo", "nccl"))
+    _one_of("data.source", cfg.data.source, ("arithmetic", "jsonl", "hf"))
+    _one_of("model.name", cfg.model.name, ("tiny", "hf"))
+    _one_of("logger.backend", cfg.logger.backend, ("wandb", "none"))
+    # Groups are the unit that learner ranks split: advantages need a whole group on one rank.
+    groups_per_rank, rest = divmod(cfg.trainer.prompts_per_step, cfg.learner.num_ranks)
+    if rest:
+        raise ConfigError(
+            f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} cannot be split over "
+            f"learner.num_ranks={cfg.learner.num_ranks}: make it a multiple of the ranks"
+        )
+    if groups_per_rank % cfg.learner.minibatches:
+        raise ConfigError(
+            f"learner.minibatches={cfg.learner.minibatches} does not divide the "
+            f"{groups_per_rank} prompt groups each learner rank gets per step"
+        )
+    if cfg.warmup.steps and cfg.warmup.batch_size % cfg.learner.num_ranks:
+        raise ConfigError(
+            f"warmup.batch_size={cfg.warmup.batch_size} cannot be split over "
+            f"learner.num_ranks={cfg.learner.num_ranks}"
+        )
+    if cfg.rollout.max_new_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for the prompt "
+            f"in rollout.max_model_len={cfg.rollout.max_model_len}"
+        )
+    if cfg.model.name == "hf" and not cfg.model.path:
+        raise ConfigError("model.path is required with model=hf (a local folder or a hub id)")
+    if cfg.data.source == "jsonl" and not cfg.data.path:
+        raise ConfigError("data.path is required with data=jsonl (a .jsonl or .parquet file)")
+    if cfg.data.source == "hf" and not (cfg.data.name or cfg.data.path):
+        raise ConfigError("data.name (or data.path of a saved dataset) is required with data=hf")
+    if cfg.data.source == "jsonl" and not os.path.exists(os.path.expanduser(cfg.data.path)):
+        raise ConfigError(f"data.path: no such file '{cfg.data.path}'")
+    if cfg.data.source == "arithmetic":
+        _at_least("data.min_digits", cfg.data.min_digits, 2)
+        _at_least("data.max_digits", cfg.data.max_digits, cfg.data.min_digits)
+    for name in cfg.reward.verifiers:
+        if name not in cfg.reward.weights:
+            raise ConfigError(f"reward.weights has no weight for verifier '{name}' "
+                              f"(add +reward.weights.{name}=1.0)")

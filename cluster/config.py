@@ -1,0 +1,209 @@
+"""The one typed config schema. YAML in `conf/` only overlays it; dotted overrides win.
+
+Light on purpose: imports no torch, Ray or vLLM, so `grpo train --cfg` and config errors are
+instant and happen before any actor starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """`tiny` builds the built-in character-level Qwen2 model once, in `cache_dir`; `hf` loads `path`."""
+    path: Optional[str] = None
+    """A Hugging Face folder or hub id. Set for `model=hf`; filled in by the builder for `tiny`."""
+    cache_dir: str = "~/.cache/grpo/models"
+    """Where the built-in model is built once and reused."""
+    hidden_size: int = 128
+    """Tiny model only: width."""
+    num_layers: int = 2
+    """Tiny model only: transformer blocks."""
+    num_heads: int = 4
+    """Tiny model only: attention heads (head size = hidden_size / num_heads)."""
+    intermediate_size: int = 512
+    """Tiny model only: MLP width."""
+    max_position_embeddings: int = 128
+    """Tiny model only: longest prompt + completion in tokens."""
+    tie_word_embeddings: bool = True
+    """Tiny model only: share the input embedding and the output head."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "arithmetic"
+    """`arithmetic` (built-in generator), `jsonl` (local JSONL or Parquet file) or `hf` (datasets library)."""
+    path: Optional[str] = None
+    """jsonl: the file. hf: a local folder saved with `save_to_disk` (optional, instead of `name`)."""
+    name: Optional[str] = None
+    """hf: the dataset name passed to `datasets.load_dataset`."""
+    config_name: Optional[str] = None
+    """hf: the dataset's configuration (e.g. `main` for gsm8k)."""
+    split: str = "train"
+    """hf: the split to train on."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt text."""
+    answer_key: str = "answer"
+    """Field of a row holding the gold answer."""
+    heldout_size: int = 200
+    """Rows kept out of training and used for the greedy accuracy before/after GRPO."""
+    num_train: int = 0
+    """arithmetic: training problems to generate (0 = every problem not held out)."""
+    min_digits: int = 2
+    """arithmetic: fewest digits of an operand (at least 2)."""
+    max_digits: int = 2
+    """arithmetic: most digits of an operand."""
+
+
+@dataclass
+class AlgoConfig:
+    group_size: int = 8
+    """G: completions sampled per prompt."""
+    beta: float = 0.04
+    """Weight of the k3 KL to the frozen reference, in the loss; 0 loads no reference model."""
+    clip_low: float = 0.2
+    """PPO clip: ratio floor is 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO clip: ratio ceiling is 1 + clip_high (DAPO's clip-higher uses 0.28)."""
+    num_iterations: int = 1
+    """mu: passes over each batch of rollouts."""
+    adv_scale: str = "group"
+    """Advantage scaling: `group` std, `batch` std, or `none` (Dr. GRPO)."""
+    adv_estimator: str = "grpo"
+    """`grpo` (group-mean baseline) or `rloo` (leave-one-out baseline)."""
+    kl_estimator: str = "k3"
+    """KL estimator per token: k1, k2 or k3."""
+    loss_agg: str = "seq-mean-token-mean"
+    """`seq-mean-token-mean` (GRPO), `token-mean` (DAPO), `seq-mean-token-sum-norm` (Dr. GRPO)."""
+    adv_eps: float = 1e-4
+    """Added to the std before dividing."""
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = 250
+    """Supervised warm-up steps on the learner before GRPO (0 skips it). Stopped early on purpose."""
+    batch_size: int = 64
+    """Examples per warm-up step, over all learner ranks."""
+    lr: float = 3e-3
+    """Warm-up learning rate."""
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 2
+    """vLLM generation actors."""
+    num_cpus_per_worker: float = 0.5
+    """Ray CPUs reserved per generation actor."""
+    num_gpus_per_worker: float = 0.0
+    """Ray GPUs per generation actor (tensor-parallel size on GPU clusters)."""
+    dtype: str = "float32"
+    """dtype inside vLLM, and on the wire of the weight sync. float32 is faster than bfloat16 on
+    vLLM's CPU build for the tiny model (measured); use bfloat16 on GPUs."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (evaluation is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts."""
+    max_new_tokens: int = 32
+    """Longest completion in tokens."""
+    max_model_len: int = 128
+    """vLLM's context length."""
+    kv_cache_gib: float = 1.0
+    """CPU only: KV cache size per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: share of the GPU vLLM may take."""
+
+
+@dataclass
+class LearnerConfig:
+    num_ranks: int = 2
+    """Data-parallel DeepSpeed ranks, one Ray actor each."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (0-3)."""
+    lr: float = 2e-3
+    """GRPO learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    minibatches: int = 1
+    """Optimizer steps per pass over a batch of rollouts."""
+    num_cpus_per_rank: float = 0.25
+    """Ray CPUs reserved per learner rank."""
+    num_gpus_per_rank: float = 0.0
+    """Ray GPUs per learner rank (1 on GPU clusters)."""
+    backend: str = "auto"
+    """torch.distributed backend: `auto` is nccl with GPUs, gloo without."""
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = 2
+    """Verifier pool actors."""
+    num_cpus_per_worker: float = 0.25
+    """Ray CPUs reserved per verifier actor."""
+    verifiers: List[str] = field(default_factory=lambda: ["math", "format"])
+    """Verifiers that score each completion."""
+    weights: Dict[str, float] = field(default_factory=lambda: {"math": 1.0, "format": 0.1})
+    """Weight of each verifier in the reward."""
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: int = 64
+    """Size of the flat buckets that learner rank 0 broadcasts to the generation actors."""
+    timeout_s: float = 300.0
+    """A weight sync that takes longer fails with an error instead of hanging."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 40
+    """GRPO steps (one batch of rollouts and one update each)."""
+    prompts_per_step: int = 64
+    """B: prompts per GRPO step; each gets group_size completions."""
+    output_dir: str = "runs"
+    """Parent folder of every run's files."""
+    run_name: Optional[str] = None
+    """Folder name of this run under output_dir (default: grpo-<date>-<time>)."""
+    seed: int = 0
+    """Seeds data generation, sampling and initialisation."""
+    eval_every: int = 0
+    """Greedy held-out accuracy every N steps (0: only before and after GRPO)."""
+    progress: bool = True
+    """Show the terminal progress bar."""
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    """Ray cluster to join; None starts a local Ray (or joins RAY_ADDRESS when set)."""
+    num_cpus: Optional[int] = None
+    """CPUs of a locally started Ray (None: what the machine has)."""
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "wandb"
+    """`wandb` or `none`; metrics.jsonl is always written."""
+    project: str = "grpo"
+    """wandb project."""
+    mode: str = "offline"
+    """wandb mode unless WANDB_MODE is set: offline, online or disabled."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -1,0 +1,33 @@
+"""The unit that travels from rollout to learner: one prompt and its G completions.
+
+A generation worker creates it and puts it in the Ray object store itself; the verifier pool
+adds rewards and puts the scored copy; learner ranks fetch it by reference. The driver only
+ever holds ObjectRefs to it (the buffer), never the payload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class PromptGroup:
+    index: int
+    """Position of the prompt in the training set (or the held-out set for evaluation)."""
+    prompt: str
+    answer: str
+    prompt_ids: List[int]
+    completions: List[str]
+    completion_ids: List[List[int]]
+    finish_reasons: List[str]
+    """`stop` (ended with EOS) or `length` (truncated at max_new_tokens)."""
+    policy_version: int
+    """Version of the weights that generated the completions."""
+    rewards: Optional[List[float]] = None
+    """Weighted sum of the verifier scores, one per completion (set by the verifier pool)."""
+    scores: Dict[str, List[float]] = field(default_factory=dict)
+    """Per-verifier scores, one list per verifier name."""
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)

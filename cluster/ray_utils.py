@@ -1,0 +1,31 @@
+"""Small Ray and networking helpers shared by the driver and the actors."""
+from __future__ import annotations
+
+import os
+import socket
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port() -> int:
+    """A TCP port free on this node now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = None) -> None:
+    """Join `address` (or RAY_ADDRESS) if given, else start a local Ray."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": env_vars} if env_vars else None
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
+                 log_to_driver=True)

@@ -1,0 +1,47 @@
+"""The weight-sync channel's handshake and versioning (the bytes move in learner/ and rollout/).
+
+Invariant: generation for policy version v starts only after every worker reports v. A sync
+that does not finish within `sync.timeout_s` raises instead of hanging the run.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import ray
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class WeightSyncChannel:
+    def __init__(self, learner, rollout, dtype: str, bucket_mb: float, timeout_s: float):
+        self.learner, self.rollout, self.timeout_s = learner, rollout, timeout_s
+        self.spec = ray.get(learner.rank0.weight_spec.remote(dtype, bucket_mb))
+        host, port = ray.get(learner.rank0.sync_address.remote())
+        world = 1 + len(rollout.workers)  # learner rank 0 is the root, workers are 1..N
+        # Every member joins at once: the group's constructor waits for all of them.
+        joins = [learner.rank0.init_weight_sync.remote(host, port, world, timeout_s)]
+        joins += [w.init_weight_sync.remote(host, port, 1 + i, world, timeout_s)
+                  for i, w in enumerate(rollout.workers)]
+        self._wait(joins, "joining the weight-sync group")
+        self.version = 0
+
+    def _wait(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncError(f"{what} took longer than sync.timeout_s={self.timeout_s:g}s") from None
+
+    def push(self, version: int) -> Dict[str, float]:
+        """Send the learner's weights to every worker; return once all of them hold `version`."""
+        sends = [r.broadcast_weights.remote(self.spec) for r in self.learner.ranks]
+        receives = [w.receive_weights.remote(self.spec, version) for w in self.rollout.workers]
+        results = self._wait(sends + receives, f"weight sync to version {version}")
+        reported = [r["policy_version"] for r in results[len(sends):]]
+        if any(v != version for v in reported):
+            raise WeightSyncError(f"workers report versions {reported} after pushing version {version}")
+        self.version = version
+        metrics = dict(results[0])
+        metrics["sync_load_seconds"] = max(r["load_s"] for r in results[len(sends):])
+        return metrics

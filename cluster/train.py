@@ -1,0 +1,248 @@
+"""The GRPO driver: `grpo train [overrides...]` or `python -m cluster.train [overrides...]`.
+
+The loop in `train` reads as the table of contents of a run; each phase is one named call on a
+role (rollout, verifiers, learner) or on the weight-sync channel. The driver only ever holds
+ObjectRefs to prompt groups, never their payloads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from cluster.compose import ConfigError
+from cluster.config import Config
+
+# Quiet, reproducible actors: the progress bar is the run's voice, errors still propagate.
+ACTOR_ENV = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+    "DS_ACCELERATOR": "cpu",
+}
+
+
+@dataclass
+class Roles:
+    rollout: object
+    verifiers: object
+    learner: object
+    channel: object
+
+    def shutdown(self) -> None:
+        for role in (self.rollout, self.verifiers, self.learner):
+            role.shutdown()
+
+
+def train(cfg: Config) -> Dict[str, object]:
+    """The whole job: warm-up, GRPO steps, held-out accuracy before and after. Returns the summary."""
+    import ray
+
+    from cluster.buffer import RolloutBuffer
+    from cluster.metrics import MetricsLogger
+    from cluster.ray_utils import init_ray
+    from rollout.datasets import PromptSampler, load_problems
+
+    started = time.time()
+    train_set, heldout = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
+    cfg.model.path = resolve_model(cfg)
+    run_dir = make_run_dir(cfg)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    roles = start_roles(cfg)
+    version = warm_up(roles, cfg, train_set)
+    accuracy_before = evaluate(roles, heldout)
+    print(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", flush=True)
+
+    sampler, buffer = PromptSampler(train_set, cfg.trainer.seed), RolloutBuffer()
+    logger = MetricsLogger(run_dir, config_dict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress)
+    for step in range(1, cfg.trainer.max_steps + 1):
+        row = grpo_step(step, version, roles, sampler, buffer, cfg)
+        version = row["policy_version"]
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            row["heldout_accuracy"] = evaluate(roles, heldout)
+        logger.log(row)
+
+    accuracy_after = evaluate(roles, heldout)
+    final_model = roles.learner.save_pretrained(str(run_dir / "final_model"))
+    summary = {
+        "heldout_accuracy_before": accuracy_before,
+        "heldout_accuracy_after": accuracy_after,
+        "heldout_size": len(heldout),
+        "grpo_steps": cfg.trainer.max_steps,
+        "policy_version": version,
+        "wall_minutes": (time.time() - started) / 60,
+        "final_model": final_model,
+    }
+    logger.summary(summary)
+    summary["wandb_dir"] = logger.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from cluster.report import write_report
+
+    write_report(run_dir, accuracy_before, accuracy_after)
+    roles.shutdown()
+    ray.shutdown()
+    print_summary(run_dir, summary)
+    return summary
+
+
+def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Config) -> Dict[str, float]:
+    """One synchronous, on-policy GRPO iteration: generate, score, train, push weights."""
+    from reward.pool import summarize
+
+    timer = Timer()
+    batch = sampler.next_batch(cfg.trainer.prompts_per_step)
+    with timer("time_generate"):
+        group_refs = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False,
+                                            seed=cfg.trainer.seed * 1_000_003 + step)
+    with timer("time_reward"):
+        scored_refs, reward_stats = roles.verifiers.score(group_refs)
+    buffer.put(scored_refs, version)
+    with timer("time_train"):
+        learner_metrics = roles.learner.train_step(buffer.take(len(scored_refs)), cfg.rollout.temperature)
+    with timer("time_weight_sync"):
+        sync_metrics = roles.channel.push(version + 1)
+    rewards = summarize(reward_stats, cfg.reward.verifiers)
+    return {
+        "step": step,
+        "policy_version": version + 1,
+        **rewards,
+        "accuracy": rewards.get("score/math", rewards[f"score/{cfg.reward.verifiers[0]}"]),
+        **learner_metrics,
+        **sync_metrics,
+        **timer.times,
+        "time_step": timer.total(),
+    }
+
+
+def start_roles(cfg: Config) -> Roles:
+    from cluster.sync_channel import WeightSyncChannel
+    from learner.group import LearnerGroup
+    from reward.pool import VerifierPool
+    from rollout.pool import RolloutPool
+
+    # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
+    learner = LearnerGroup(cfg.model.path, asdict(cfg.learner), asdict(cfg.algo), cfg.trainer.seed)
+    verifiers = VerifierPool(cfg.reward.verifiers, cfg.reward.weights, cfg.reward.num_workers,
+                             cfg.reward.num_cpus_per_worker)
+    rollout = RolloutPool(cfg.model.path, asdict(cfg.rollout), cfg.rollout.num_workers, cfg.trainer.seed,
+                          cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker)
+    channel = WeightSyncChannel(learner, rollout, cfg.rollout.dtype, cfg.sync.bucket_mb, cfg.sync.timeout_s)
+    return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel)
+
+
+def warm_up(roles: Roles, cfg: Config, train_set) -> int:
+    """Short supervised warm-up on the learner, then push its weights. Returns the policy version."""
+    import ray
+
+    examples = [(p.prompt, p.solution) for p in train_set if p.solution]
+    if not cfg.warmup.steps or not examples:
+        roles.learner.call("snapshot_reference")
+        return 0
+    losses = roles.learner.warmup(ray.put(examples), cfg.warmup.steps, cfg.warmup.batch_size,
+                                  cfg.warmup.lr, cfg.trainer.seed)
+    print(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+    roles.learner.call("snapshot_reference")  # pi_ref is the model GRPO starts from
+    roles.channel.push(1)
+    return 1
+
+
+def evaluate(roles: Roles, heldout) -> float:
+    """Greedy held-out accuracy through the vLLM actors and the verifier pool."""
+    from rollout.pool import as_batch
+
+    refs = roles.rollout.generate(as_batch(heldout), 1, greedy=True, seed=0)
+    _, stats = roles.verifiers.score(refs)
+    key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
+    return stats[key] / max(stats["completions"], 1)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.times: Dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.times[name] = time.perf_counter() - self.start
+
+        return _Span()
+
+    def total(self) -> float:
+        return sum(self.times.values())
+
+
+# ---- set-up outside the loop ------------------------------------------------------------------
+def resolve_model(cfg: Config) -> str:
+    """The model folder (or hub id) that learner and rollout load; builds the tiny model once."""
+    path = cfg.model.path
+    if path:
+        local = os.path.expanduser(path)
+        looks_local = local.startswith((".", "/", "~")) or os.path.exists(local)
+        if looks_local and not os.path.isdir(local):
+            raise ConfigError(f"model.path: no such folder '{path}'")
+        if looks_local:
+            check_model_length(cfg, local)
+        return local if looks_local else path
+    from learner.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed)
+    check_model_length(cfg, folder)
+    return folder
+
+
+def check_model_length(cfg: Config, folder: str) -> None:
+    config_file = Path(folder) / "config.json"
+    if not config_file.exists():
+        raise ConfigError(f"model.path: '{folder}' has no config.json (not a Hugging Face model folder)")
+    limit = json.loads(config_file.read_text()).get("max_position_embeddings")
+    if limit and cfg.rollout.max_model_len > limit:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                          f"max_position_embeddings={limit}")
+
+
+def make_run_dir(cfg: Config) -> Path:
+    if not cfg.trainer.run_name:
+        cfg.trainer.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
+    if (run_dir / "metrics.jsonl").exists():
+        # Never overwrite what a finished or running job produced.
+        raise ConfigError(f"trainer.run_name: '{run_dir}' already holds a run; pick another name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from omegaconf import OmegaConf
+
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return run_dir
+
+
+def config_dict(cfg: Config) -> dict:
+    return asdict(cfg)
+
+
+def print_summary(run_dir: Path, summary: Dict[str, object]) -> None:
+    print(
+        f"\nheld-out greedy accuracy: {summary['heldout_accuracy_before']:.1%} after warm-up -> "
+        f"{summary['heldout_accuracy_after']:.1%} after GRPO ({summary['grpo_steps']} steps, "
+        f"{summary['wall_minutes']:.1f} min)\n"
+        f"run files: {run_dir}/ (config.yaml, metrics.jsonl, summary.json, report.png, final_model/)"
+        + (f"\nwandb run: {summary['wandb_dir']}" if summary.get("wandb_dir") else ""),
+        flush=True,
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from cluster.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

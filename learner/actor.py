@@ -1,0 +1,261 @@
+"""One DeepSpeed ZeRO data-parallel rank of the policy learner, as a Ray actor.
+
+Every rank holds the policy under DeepSpeed (gloo on CPU, NCCL on GPU) and, when beta > 0, a
+frozen reference copy. Rank 0 is also the sender of the weight-sync channel.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Dict, List, Optional
+
+import ray
+
+from cluster import weight_sync
+
+
+class LearnerRank:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                 model_path: str, learner_cfg: dict, algo_cfg: dict, seed: int):
+        # Ray sets none of torch.distributed's variables; DeepSpeed reads them from the env.
+        os.environ.update({
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+        })
+        import torch
+
+        self.on_gpu = torch.cuda.is_available() and learner_cfg["num_gpus_per_rank"] > 0
+        if not self.on_gpu:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+            torch.set_num_threads(1)  # ranks share the machine's cores with the rollout engines
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        backend = learner_cfg["backend"]
+        if backend == "auto":
+            backend = "nccl" if self.on_gpu else "gloo"
+        deepspeed.init_distributed(dist_backend=backend)
+        torch.manual_seed(seed)
+        self.rank, self.world_size = rank, world_size
+        self.cfg, self.algo = learner_cfg, algo_cfg
+        self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,  # batches are formed here, not by DeepSpeed
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": learner_cfg["grad_clip"],
+            "zero_optimization": {"stage": learner_cfg["zero_stage"]},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": self.on_gpu},
+            "steps_per_print": 10**9,
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg["lr"],
+                                      weight_decay=learner_cfg["weight_decay"])
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config)
+        self.device = self.engine.device
+        self.ref_model = None
+        self.sync_group = None
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _full_state(self):
+        """The full (unsharded) state dict; under ZeRO-3 gathered on every rank for the duration."""
+        import deepspeed
+
+        params = list(self.engine.module.parameters())
+        if self.cfg["zero_stage"] == 3:
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _token_logprobs(self, model, input_ids, attention_mask, temperature: float = 1.0):
+        """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]."""
+        import torch
+
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+    def _pad(self, sequences: List[List[int]], completion_starts: List[int]):
+        """Right-padded ids, attention mask, and the mask of completion tokens (as targets)."""
+        import torch
+
+        length = max(len(s) for s in sequences)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(sequences), length), pad, dtype=torch.long)
+        attention = torch.zeros((len(sequences), length), dtype=torch.long)
+        target_mask = torch.zeros((len(sequences), length - 1), dtype=torch.bool)
+        for i, (seq, start) in enumerate(zip(sequences, completion_starts)):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
+            target_mask[i, start - 1: len(seq) - 1] = True  # targets are shifted by one
+        return ids.to(self.device), attention.to(self.device), target_mask.to(self.device)
+
+    # ---- supervised warm-up --------------------------------------------------------------
+    def warmup(self, examples: List[List[str]], steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
+        """Supervised steps on (prompt, target) pairs; loss on target tokens only.
+
+        Every rank draws the same global batch from the same seed and trains on its slice, so
+        all ranks take the same number of steps (each step is a collective).
+        """
+        self._set_lr(lr)
+        rng = random.Random(seed)
+        per_rank = batch_size // self.world_size
+        eos = self.tokenizer.eos_token_id
+        encoded = [(self.tokenizer(p)["input_ids"], self.tokenizer(t)["input_ids"] + [eos]) for p, t in examples]
+        losses = []
+        self.engine.train()
+        for _ in range(steps):
+            batch = rng.sample(range(len(encoded)), batch_size)[self.rank * per_rank:(self.rank + 1) * per_rank]
+            seqs = [encoded[i][0] + encoded[i][1] for i in batch]
+            starts = [len(encoded[i][0]) for i in batch]
+            ids, attention, mask = self._pad(seqs, starts)
+            logprobs = self._token_logprobs(self.engine, ids, attention)
+            loss = -(logprobs * mask).sum() / mask.sum()
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(float(loss.detach()))
+        self._set_lr(self.cfg["lr"])
+        return losses
+
+    def snapshot_reference(self) -> None:
+        """Freeze a copy of the current policy as pi_ref (GRPO starts from the warmed-up model)."""
+        if self.algo["beta"] <= 0:
+            return  # beta = 0 needs no reference model at all
+        from transformers import AutoModelForCausalLM
+
+        with self._full_state():
+            state = {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+        ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=self.dtype)
+        ref.load_state_dict(state, strict=False)
+        ref.tie_weights()
+        self.ref_model = ref.to(self.device).eval().requires_grad_(False)
+
+    # ---- GRPO ----------------------------------------------------------------------------
+    def train_step(self, group_refs: List[ray.ObjectRef], temperature: float) -> Dict[str, float]:
+        """One GRPO update on this rank's prompt groups; returns this rank's metrics."""
+        import torch
+
+        from learner import grpo
+
+        start = time.perf_counter()
+        groups = ray.get(list(group_refs))
+        G = groups[0].group_size
+        seqs, starts, rewards, lengths, truncated = [], [], [], [], []
+        for g in groups:
+            for ids, reason, reward in zip(g.completion_ids, g.finish_reasons, g.rewards):
+                seqs.append(list(g.prompt_ids) + list(ids))
+                starts.append(len(g.prompt_ids))
+                rewards.append(reward)
+                lengths.append(len(ids))
+                truncated.append(reason == "length")
+        ids, attention, mask = self._pad(seqs, starts)
+        r = torch.tensor(rewards, dtype=torch.float32, device=self.device)
+        A = grpo.compute_advantages(r, G, scale=self.algo["adv_scale"], eps=self.algo["adv_eps"],
+                                    estimator=self.algo["adv_estimator"])
+        if self.algo["adv_scale"] == "batch":
+            # "batch" means the whole step's batch, across ranks, not this rank's share.
+            A = grpo.compute_advantages(r, G, scale="none", estimator=self.algo["adv_estimator"])
+            A = A / (self._global_std(r) + self.algo["adv_eps"])
+
+        # pi_old and pi_ref are fixed for the whole step: computed once, before any update.
+        self.engine.eval()
+        with torch.no_grad():
+            old_logprobs = self._token_logprobs(self.engine, ids, attention, temperature)
+            ref_logprobs = (self._token_logprobs(self.ref_model, ids, attention, temperature)
+                            if self.ref_model is not None else None)
+        self.engine.train()
+        num_mb = self.cfg["minibatches"]
+        n = ids.shape[0]
+        step_metrics: List[Dict[str, float]] = []
+        for _ in range(self.algo["num_iterations"]):
+            for mb in torch.arange(n, device=self.device).chunk(num_mb):
+                logprobs = self._token_logprobs(self.engine, ids[mb], attention[mb], temperature)
+                loss, metrics = grpo.policy_loss(
+                    logprobs, old_logprobs[mb], None if ref_logprobs is None else ref_logprobs[mb],
+                    A[mb], mask[mb], clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
+                    beta=self.algo["beta"], kl_estimator=self.algo["kl_estimator"],
+                    loss_agg=self.algo["loss_agg"], max_length=mask.shape[1],
+                )
+                self.engine.backward(loss)
+                self.engine.step()
+                metrics["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+                step_metrics.append(metrics)
+        out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        out.update({
+            "response_length_mean": sum(lengths) / len(lengths),
+            "truncated_fraction": sum(truncated) / len(truncated),
+            "advantage_abs_mean": float(A.abs().mean()),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "learner_seconds": time.perf_counter() - start,
+        })
+        return out
+
+    def _global_std(self, r):
+        import torch
+        import torch.distributed as dist
+
+        stats = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()))]).double()
+        dist.all_reduce(stats)
+        mean = stats[0] / stats[2]
+        return float((stats[1] / stats[2] - mean * mean).clamp(min=0).sqrt())
+
+    # ---- weight sync (sender side) and export ---------------------------------------------
+    def weight_spec(self, dtype: str, bucket_mb: float) -> dict:
+        with self._full_state():
+            named = list(self.engine.module.state_dict().items())
+            return weight_sync.make_spec(named, dtype, bucket_mb).to_wire()
+
+    def sync_address(self) -> tuple:
+        """Where the sync group's rendezvous (hosted by this rank) will listen."""
+        from cluster.ray_utils import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        self.sync_group = weight_sync.join_group(host, port, 0, world_size, timeout_s)
+
+    def broadcast_weights(self, wire_spec: dict) -> Dict[str, float]:
+        """Rank 0 packs the full weights into buckets and broadcasts each once to every worker.
+
+        Under ZeRO-3 every rank must enter the gather, so all ranks call this; only rank 0 sends.
+        """
+        spec = weight_sync.WeightSpec.from_wire(wire_spec)
+        start = time.perf_counter()
+        with self._full_state():
+            if self.rank == 0:
+                state = self.engine.module.state_dict()
+                for bucket in spec.buckets():
+                    flat = weight_sync.pack([state[t.name] for t in bucket], spec.dtype)
+                    weight_sync.broadcast(self.sync_group, flat.cpu() if not self.on_gpu else flat)
+        seconds = time.perf_counter() - start
+        return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
+                "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9}
+
+    def save_pretrained(self, folder: str) -> Optional[str]:
+        """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's gather)."""
+        with self._full_state():
+            if self.rank == 0:
+                module = self.engine.module
+                state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+                module.save_pretrained(folder, state_dict=state)
+                self.tokenizer.save_pretrained(folder)
+                return folder
+        return None
+
+    def param_checksum(self) -> float:
+        with self._full_state():
+            return float(sum(p.detach().double().sum() for p in self.engine.module.parameters()))
+
+    def state_copy(self) -> Dict[str, "object"]:
+        """Full parameters on CPU (for tests)."""
+        with self._full_state():
+            return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}

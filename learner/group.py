@@ -1,0 +1,45 @@
+"""The learner's ranks as one group: start them together, call every rank, shard the groups."""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import ray
+
+from cluster.ray_utils import free_port, node_ip
+from learner.actor import LearnerRank
+
+
+class LearnerGroup:
+    def __init__(self, model_path: str, learner_cfg: dict, algo_cfg: dict, seed: int):
+        actor = ray.remote(num_cpus=learner_cfg["num_cpus_per_rank"],
+                           num_gpus=learner_cfg["num_gpus_per_rank"])(LearnerRank)
+        world = learner_cfg["num_ranks"]
+        # The rendezvous address is this node's; on a cluster rank 0 must be placed here too
+        # (placement groups, issue 6). Locally every rank is on this node.
+        master_addr, master_port = node_ip(), free_port()
+        self.ranks = [
+            actor.remote(rank, world, master_addr, master_port, model_path, learner_cfg, algo_cfg, seed)
+            for rank in range(world)
+        ]
+        self.rank0 = self.ranks[0]
+
+    def call(self, method: str, *args) -> list:
+        """Call `method` on every rank at once (collectives need all of them) and wait."""
+        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])
+
+    def warmup(self, examples_ref, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
+        return self.call("warmup", examples_ref, steps, batch_size, lr, seed)[0]
+
+    def train_step(self, group_refs: Sequence[ray.ObjectRef], temperature: float) -> Dict[str, float]:
+        """Each rank gets an equal, contiguous share of whole groups; metrics are averaged."""
+        per_rank = len(group_refs) // len(self.ranks)
+        shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
+        results = ray.get([r.train_step.remote(shard, temperature) for r, shard in zip(self.ranks, shards)])
+        return {k: sum(m[k] for m in results) / len(results) for k in results[0]}
+
+    def save_pretrained(self, folder: str) -> str:
+        return self.call("save_pretrained", folder)[0]
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            ray.kill(r)

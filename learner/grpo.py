@@ -1,0 +1,133 @@
+"""GRPO maths: advantages, KL penalty, clipped surrogate loss (see DESIGN.md "GRPO, exactly").
+
+Pure torch. Shapes: B prompts x G samples = N completions, T tokens per (padded) completion.
+Names follow the maths: r rewards, A advantages, rho the importance ratio.
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+SCALES = ("group", "batch", "none")
+ADV_ESTIMATORS = ("grpo", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+
+
+def _check(name: str, value: str, allowed: Tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean of x over positions where mask is true; 0 (not NaN) where there are none."""
+    mask = mask.bool()
+    x = torch.where(mask, x, torch.zeros_like(x))  # where, not x*mask: NaN*0 would stay NaN
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def compute_advantages(rewards: Tensor, group_size: int, scale: str = "group",
+                       eps: float = 1e-4, estimator: str = "grpo") -> Tensor:
+    """One advantage per completion from rewards ordered group by group ([B*G] -> [B*G]).
+
+    grpo: A_i = r_i - mean(r);  rloo: A_i = r_i - mean_{j != i} r_j  (leave-one-out baseline).
+    scale: "group" divides by the group's population std of r (+eps), "batch" by the whole
+    batch's population std of r (+eps), "none" keeps the centred value (Dr. GRPO).
+    The std is always that of the rewards (for rloo too), as in DESIGN.md's formula.
+    """
+    _check("scale", scale, SCALES)
+    _check("advantage estimator", estimator, ADV_ESTIMATORS)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (a baseline needs peers), got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards are not divisible into groups of {group_size}")
+    r = rewards.view(-1, group_size)                          # [B, G]
+    G = group_size
+    mean = r.mean(dim=1, keepdim=True)
+    if estimator == "grpo":
+        A = r - mean
+    else:  # rloo: mean of the other G-1 rewards = (sum - r_i) / (G - 1)
+        A = r - (r.sum(dim=1, keepdim=True) - r) / (G - 1)
+    if scale == "group":
+        A = A / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    elif scale == "batch":
+        A = A / (rewards.std(unbiased=False) + eps)
+    # Float rounding of the mean can leave tiny non-zeros; a group with no signal gets exactly 0.
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    A = torch.where(equal, torch.zeros_like(A), A)
+    return A.reshape(-1)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3)."""
+    _check("kl estimator", estimator, KL_ESTIMATORS)
+    log_r = ref_logprobs - logprobs                           # log(pi_ref / pi_theta)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r ** 2
+    return torch.exp(log_r) - log_r - 1                       # k3: unbiased and >= 0
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[Tensor],
+                advantages: Tensor, mask: Tensor, *, clip_low: float = 0.2,
+                clip_high: float = 0.2, beta: float = 0.04, kl_estimator: str = "k3",
+                loss_agg: str = "seq-mean-token-mean", max_length: Optional[int] = None,
+                ratio_level: str = "token") -> Tuple[Tensor, Dict[str, float]]:
+    """Clipped GRPO loss -(surrogate - beta*KL) over completion tokens, aggregated by loss_agg.
+
+    logprobs/old_logprobs/ref_logprobs/mask: [N, T]; advantages: [N]. Returns (scalar loss,
+    metrics of python floats). A completion with no mask tokens adds 0 and, under
+    seq-mean-token-mean, is left out of the mean over completions (so it never gives NaN).
+    """
+    _check("loss_agg", loss_agg, LOSS_AGGS)
+    _check("ratio_level", ratio_level, RATIO_LEVELS)
+    _check("kl estimator", kl_estimator, KL_ESTIMATORS)
+    if loss_agg == "seq-mean-token-sum-norm" and (max_length is None or max_length <= 0):
+        raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs a positive max_length")
+    if beta != 0 and ref_logprobs is None:
+        raise ValueError("beta != 0 needs ref_logprobs")
+    if advantages.shape != logprobs.shape[:1] or mask.shape != logprobs.shape:
+        raise ValueError(f"shapes: logprobs {tuple(logprobs.shape)}, mask {tuple(mask.shape)}, "
+                         f"advantages {tuple(advantages.shape)} (want [N, T], [N, T], [N])")
+    mask = mask.bool()
+    zero = torch.zeros_like(logprobs)
+    # Padding may hold garbage (-inf, NaN); zero it before exp so neither loss nor grad sees it.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, zero)
+    if ratio_level == "sequence":  # GSPO: one ratio per completion, geometric mean over its tokens
+        log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1).expand_as(logprobs)
+    rho = torch.exp(log_ratio)
+    A = advantages.to(logprobs.dtype).unsqueeze(1)            # [N, 1], broadcast over tokens
+    surrogate = torch.min(rho * A, torch.clamp(rho, 1 - clip_low, 1 + clip_high) * A)
+    per_token = -surrogate
+    if beta != 0:
+        kl = kl_penalty(torch.where(mask, logprobs, zero),
+                        torch.where(mask, ref_logprobs, zero), kl_estimator)
+        per_token = per_token + beta * kl
+
+    per_token = torch.where(mask, per_token, zero)
+    n_tokens = mask.sum(dim=1)                                # [N]
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = per_token.sum(dim=1) / n_tokens.clamp(min=1)
+        loss = per_seq.sum() / (n_tokens > 0).sum().clamp(min=1)
+    elif loss_agg == "token-mean":
+        loss = per_token.sum() / mask.sum().clamp(min=1)
+    else:  # Dr. GRPO: a constant normaliser, so long answers are not down-weighted per token
+        loss = (per_token.sum(dim=1) / max_length).mean()
+
+    with torch.no_grad():
+        # The clipped branch is the active minimum only when rho left the band on A's side.
+        clipped = ((A > 0) & (rho > 1 + clip_high)) | ((A < 0) & (rho < 1 - clip_low))
+        metrics = {
+            "loss": loss.item(),
+            "kl": masked_mean(kl, mask).item() if beta != 0 else 0.0,
+            "clip_fraction": masked_mean(clipped.to(rho.dtype), mask).item(),
+            "ratio_mean": masked_mean(rho, mask).item(),
+            "ratio_max": rho[mask].max().item() if mask.any() else 0.0,
+        }
+    return loss, metrics

@@ -1,0 +1,88 @@
+"""The built-in model: a small Qwen2 causal LM with a character-level tokenizer.
+
+It is saved as an ordinary Hugging Face folder, so `transformers` (the learner) and vLLM (the
+rollout) load it exactly like any hub model. It is built once per architecture and reused: the
+folder name carries a hash of everything that shapes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+# A byte-level tokenizer with no merges: every byte is one token, as in Qwen2's own byte-level
+# BPE with an empty merge list. `transformers` always loads a qwen2 model's tokenizer as
+# Qwen2Tokenizer, so the built-in one *is* a Qwen2Tokenizer and loads the same everywhere.
+# The R1 layout tags are single tokens: it keeps completions short for a tiny model, and they are
+# ordinary (not "special") tokens so that vLLM's detokenizer keeps them in the text.
+TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
+SPECIALS = ["<pad>", "</s>"]
+
+
+def build_tokenizer():
+    from tokenizers import AddedToken, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(SPECIALS + alphabet)}
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=4096,
+    )
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS])
+    return tokenizer
+
+
+def _vocab_size(tokenizer) -> int:
+    return (len(tokenizer) + 15) // 16 * 16  # padded for friendlier kernels; extra rows unused
+
+
+def tiny_model_dir(model_cfg, seed: int) -> Path:
+    spec = {
+        "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
+        "num_heads": model_cfg.num_heads, "intermediate_size": model_cfg.intermediate_size,
+        "max_position_embeddings": model_cfg.max_position_embeddings,
+        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS, "seed": seed,
+    }
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-qwen2-{digest}"
+
+
+def build_tiny_model(model_cfg, seed: int = 0) -> str:
+    """Build (once) and return the folder of the built-in model."""
+    folder = tiny_model_dir(model_cfg, seed)
+    if (folder / "config.json").exists():
+        return str(folder)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=_vocab_size(tokenizer),
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.intermediate_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads,
+        num_key_value_heads=model_cfg.num_heads,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        rope_theta=10000.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    # Build in a temporary folder and rename: two processes building at once never see half a model.
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process won the race; its folder is as good as ours
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)

@@ -1,0 +1,364 @@
+"""Prompt datasets: the built-in addition task, local JSONL/Parquet files and `datasets` sets.
+
+Every source ends as two lists of `Problem` (held-out, train) whose held-out rows are never
+trained on, and `PromptSampler` walks the train list endlessly, reshuffled every epoch, with a
+state that a checkpoint can save and resume exactly.
+
+Light on purpose: no torch, Ray or vLLM; `datasets` and `pyarrow` are imported only by the
+sources that need them. Every data problem is a `DataError` with one line naming the
+file, line/row and field to fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
+
+if TYPE_CHECKING:  # typing only: the schema module is light, but keep the import optional
+    from cluster.config import DataConfig
+
+__all__ = [
+    "Problem",
+    "DataError",
+    "solve_addition",
+    "arithmetic_problems",
+    "load_problems",
+    "PromptSampler",
+]
+
+# Pair spaces up to this size are enumerated and shuffled (2-digit operands: 90 * 90 = 8100);
+# larger ones are sampled without repeats.
+_ENUMERATE_MAX_PAIRS = 10_000
+# "1,234" / "-12,345.5": a plain number written with thousands separators.
+_THOUSANDS_NUMBER = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+    solution: Optional[str] = None
+    """A target completion for the supervised warm-up, when known."""
+
+
+class DataError(ValueError):
+    """Bad or missing data; the message is one line naming the file/line/field."""
+
+
+def _one_line(text: Any) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return " ".join(lines)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def solve_addition(a: int, b: int) -> str:
+    """R1-layout completion of `a+b=` with a scratchpad of per-digit sums.
+
+    From the least significant digit, each entry is `x+y+carry=sum`; the shorter operand is
+    padded with 0 digits, so 5-digit operands give 5 entries:
+    `solve_addition(47, 85) == "<think>7+5+0=12,4+8+1=13</think><answer>132</answer>"`.
+    """
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, int) or not isinstance(b, int):
+        raise TypeError(f"solve_addition takes two ints (got {a!r}, {b!r})")
+    if a < 0 or b < 0:
+        raise ValueError(f"solve_addition takes non-negative operands (got {a}, {b})")
+    da, db = str(a)[::-1], str(b)[::-1]
+    width = max(len(da), len(db))
+    da, db = da.ljust(width, "0"), db.ljust(width, "0")
+    steps = []
+    carry = 0
+    for x, y in zip(da, db):
+        total = int(x) + int(y) + carry
+        steps.append(f"{x}+{y}+{carry}={total}")
+        carry = total // 10
+    return f"<think>{','.join(steps)}</think><answer>{a + b}</answer>"
+
+
+def _addition_problem(a: int, b: int) -> Problem:
+    return Problem(prompt=f"{a}+{b}=", answer=str(a + b), solution=solve_addition(a, b))
+
+
+def _operand_range(digits: int) -> Tuple[int, int]:
+    """Inclusive bounds of the numbers with exactly `digits` digits (1 digit: 0-9)."""
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
+
+
+def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits: int,
+                        max_digits: int) -> Tuple[List[Problem], List[Problem]]:
+    """(held-out, train) addition problems `a+b=` whose operands have min..max digits.
+
+    Deterministic in `seed`; no (a, b) pair is in both lists. Small pair spaces (2-digit
+    operands: 8100 pairs) are enumerated, shuffled, the first `heldout_size` held out and the
+    rest (or its first `num_train`, when > 0) trained on. Larger spaces are sampled without
+    repeats (each operand's digit count uniform in min..max, then the operand uniform), and
+    need `num_train` > 0.
+    """
+    if min_digits < 1 or max_digits < min_digits:
+        raise DataError(f"data.min_digits={min_digits}, data.max_digits={max_digits}: "
+                        f"need 1 <= min_digits <= max_digits")
+    if heldout_size < 0:
+        raise DataError(f"data.heldout_size must be at least 0 (got {heldout_size})")
+    if num_train < 0:
+        raise DataError(f"data.num_train must be at least 0 (got {num_train})")
+    low, high = _operand_range(min_digits)[0], _operand_range(max_digits)[1]
+    space = (high - low + 1) ** 2
+    rng = random.Random(seed)
+
+    if space <= _ENUMERATE_MAX_PAIRS:
+        pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+        rng.shuffle(pairs)
+        heldout_pairs = pairs[:heldout_size]
+        rest = pairs[heldout_size:]
+        train_pairs = rest[:num_train] if num_train else rest
+        if not train_pairs:
+            raise DataError(f"data.heldout_size={heldout_size} leaves no training problems "
+                            f"out of the {space} with {min_digits}-{max_digits} digit operands")
+    else:
+        if num_train == 0:
+            raise DataError(f"data.num_train must be set (> 0) with operands of up to "
+                            f"{max_digits} digits: {space} problems are too many to use all")
+        wanted = heldout_size + num_train
+        if wanted > space // 2:
+            raise DataError(f"data.heldout_size + data.num_train = {wanted} is more than half of "
+                            f"the {space} problems with {min_digits}-{max_digits} digit operands")
+        digit_counts = range(min_digits, max_digits + 1)
+
+        def operand() -> int:
+            lo, hi = _operand_range(rng.choice(digit_counts))
+            return rng.randint(lo, hi)
+
+        seen = set()
+        ordered: List[Tuple[int, int]] = []
+        while len(ordered) < wanted:
+            pair = (operand(), operand())
+            if pair not in seen:
+                seen.add(pair)
+                ordered.append(pair)
+        heldout_pairs, train_pairs = ordered[:heldout_size], ordered[heldout_size:]
+
+    return ([_addition_problem(a, b) for a, b in heldout_pairs],
+            [_addition_problem(a, b) for a, b in train_pairs])
+
+
+# --------------------------------------------------------------------------- files and datasets
+
+
+def _as_text(value: Any) -> Optional[str]:
+    """A row value as text, or None when it is not a string/number."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return None
+        return str(int(value)) if value.is_integer() else repr(value)
+    return None
+
+
+def clean_answer(answer: str) -> str:
+    """Gold answer text: a GSM8K `...#### 42` keeps only `42`; thousands commas go."""
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1].strip()
+        return _THOUSANDS_COMMA.sub("", answer)
+    answer = answer.strip()
+    if _THOUSANDS_NUMBER.match(answer):
+        answer = answer.replace(",", "")
+    return answer
+
+
+def _row_problem(row: Any, where: str, prompt_key: str, answer_key: str) -> Problem:
+    """One row (a mapping) as a Problem; `where` names it, e.g. "data.path x.jsonl line 3"."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object with '{prompt_key}' and "
+                        f"'{answer_key}' fields (got {type(row).__name__})")
+    values = {}
+    for key in (prompt_key, answer_key):
+        if key not in row or row[key] is None:
+            raise DataError(f"{where}: no '{key}' field")
+        text = _as_text(row[key])
+        if text is None:
+            raise DataError(f"{where}: field '{key}' is a {type(row[key]).__name__}, "
+                            f"not a string or number")
+        values[key] = text
+    answer = clean_answer(values[answer_key])
+    if not values[prompt_key].strip():
+        raise DataError(f"{where}: field '{prompt_key}' is empty")
+    if not answer:
+        raise DataError(f"{where}: field '{answer_key}' is empty")
+    solution = None
+    if row.get("solution") is not None:
+        solution = _as_text(row["solution"])
+        if solution is None:
+            raise DataError(f"{where}: field 'solution' is a {type(row['solution']).__name__}, "
+                            f"not a string")
+    return Problem(prompt=values[prompt_key], answer=answer, solution=solution)
+
+
+def _read_jsonl(path: str, label: str) -> Iterable[Tuple[str, Any]]:
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"{label}: cannot open ({_one_line(exc.strerror or exc)})") from exc
+    with handle:
+        try:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{label} line {number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from exc
+                yield where, row
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{label}: not UTF-8 text ({_one_line(exc)})") from exc
+
+
+def _read_parquet(path: str, label: str) -> Iterable[Tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:
+        raise DataError(f"{label}: cannot read Parquet ({_one_line(exc)})") from exc
+    for number, row in enumerate(rows, start=1):
+        yield f"{label} row {number}", row
+
+
+def _load_hf_rows(data_cfg) -> Tuple[str, Iterable[Tuple[str, Any]]]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise DataError("data.source=hf needs the `datasets` package (pip install datasets)") from exc
+    split = data_cfg.split
+    if data_cfg.path:
+        path = os.path.expanduser(str(data_cfg.path))
+        label = f"data.path {data_cfg.path}"
+        if not os.path.exists(path):
+            raise DataError(f"data.path: no such folder '{data_cfg.path}'")
+        try:
+            loaded = datasets.load_from_disk(path)
+        except Exception as exc:
+            raise DataError(f"{label}: cannot load a saved dataset ({_one_line(exc)})") from exc
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"data.split '{split}' is not in {data_cfg.path} "
+                                f"(splits: {', '.join(sorted(loaded))})")
+            loaded = loaded[split]
+    elif data_cfg.name:
+        label = f"data.name {data_cfg.name}"
+        try:
+            loaded = datasets.load_dataset(data_cfg.name, data_cfg.config_name, split=split)
+        except Exception as exc:
+            raise DataError(f"{label} (config {data_cfg.config_name}, split {split}): "
+                            f"cannot load ({_one_line(exc)})") from exc
+    else:
+        raise DataError("data.name (or data.path of a saved dataset) is required with data=hf")
+    if not isinstance(loaded, datasets.Dataset):
+        raise DataError(f"{label}: expected one split, got a {type(loaded).__name__} "
+                        f"(set data.split)")
+    columns = set(loaded.column_names)
+    for key in (data_cfg.prompt_key, data_cfg.answer_key):
+        if len(loaded) and key not in columns:
+            raise DataError(f"{label}: no '{key}' field (columns: {', '.join(sorted(columns))})")
+    return label, ((f"{label} row {i}", row) for i, row in enumerate(loaded, start=1))
+
+
+def _split_heldout(problems: List[Problem], heldout_size: int,
+                   seed: int) -> Tuple[List[Problem], List[Problem]]:
+    """Seeded shuffle; held-out = first min(heldout_size, n // 5) (at least 1 when n >= 2)."""
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    count = min(max(heldout_size, 0), len(problems) // 5)
+    if len(problems) >= 2:
+        count = max(count, 1)
+    shuffled = [problems[i] for i in order]
+    return shuffled[:count], shuffled[count:]
+
+
+def load_problems(data_cfg: "DataConfig", seed: int) -> Tuple[List[Problem], List[Problem]]:
+    """(held-out, train) problems of the configured source (`data.source`)."""
+    source = data_cfg.source
+    if source == "arithmetic":
+        return arithmetic_problems(seed, data_cfg.heldout_size, data_cfg.num_train,
+                                   data_cfg.min_digits, data_cfg.max_digits)
+    if source == "jsonl":
+        if not data_cfg.path:
+            raise DataError("data.path is required with data=jsonl (a .jsonl or .parquet file)")
+        path = os.path.expanduser(str(data_cfg.path))
+        label = f"data.path {data_cfg.path}"
+        if not os.path.isfile(path):
+            raise DataError(f"data.path: no such file '{data_cfg.path}'")
+        rows = (_read_parquet if path.lower().endswith(".parquet") else _read_jsonl)(path, label)
+    elif source == "hf":
+        label, rows = _load_hf_rows(data_cfg)
+    else:
+        raise DataError(f"data.source must be one of arithmetic, jsonl, hf (got '{source}')")
+    problems = [_row_problem(row, where, data_cfg.prompt_key, data_cfg.answer_key)
+                for where, row in rows]
+    if not problems:
+        raise DataError(f"{label}: the dataset is empty")
+    return _split_heldout(problems, data_cfg.heldout_size, seed)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class PromptSampler:
+    """Endless sampler over the train problems, reshuffled each epoch with Random(seed + epoch).
+
+    `next_batch(n)` crosses epoch boundaries seamlessly; `state_dict()` /
+    `load_state_dict()` save and restore the position so the sequence continues identically.
+    """
+
+    def __init__(self, problems: List[Problem], seed: int):
+        if not problems:
+            raise DataError("no training problems to sample prompts from")
+        self.problems = list(problems)
+        self.seed = int(seed)
+        self._epoch = 0
+        self._position = 0
+        self._order: Optional[List[int]] = None
+
+    def _epoch_order(self) -> List[int]:
+        if self._order is None:
+            order = list(range(len(self.problems)))
+            random.Random(self.seed + self._epoch).shuffle(order)
+            self._order = order
+        return self._order
+
+    def next_batch(self, n: int) -> List[Tuple[int, Problem]]:
+        """The next `n` (index into problems, problem) pairs."""
+        if n < 0:
+            raise ValueError(f"batch size must be at least 0 (got {n})")
+        batch: List[Tuple[int, Problem]] = []
+        while len(batch) < n:
+            order = self._epoch_order()
+            take = order[self._position:self._position + n - len(batch)]
+            batch.extend((i, self.problems[i]) for i in take)
+            self._position += len(take)
+            if self._position >= len(order):
+                self._epoch += 1
+                self._position = 0
+                self._order = None
+        return batch
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.problems):
+            raise ValueError(f"sampler state {state} does not fit {len(self.problems)} problems")
+        if position == len(self.problems):
+            epoch, position = epoch + 1, 0
+        self._epoch, self._position, self._order = epoch, position, None

