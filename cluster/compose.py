@@ -71,9 +71,27 @@ def _explain(exc: Exception, overrides: Sequence[str]) -> str:
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), "")
     text = lines[0] if lines else type(cause).__name__
-    if "Could not find" in text or "options" in str(exc):
-        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if "Could not find" in str(exc):
+        # Keep Hydra's list of available options, drop its search-path dump.
+        first = str(exc).split("Config search path")[0]
+        text = " ".join(line.strip() for line in first.splitlines() if line.strip())
     return f"{full_key}: {text}" if full_key and full_key not in text else text
+
+
+def _check_added_keys(overrides: Sequence[str]) -> None:
+    """`+key=value` may only add under a free-form mapping: elsewhere Hydra would accept the new
+    key and the schema would then drop it silently, so a typo would run with the default."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as exc:
+        raise ConfigError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from exc
+    known = set(schema_keys())
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_add() and key not in known and not key.startswith(MAPPING_KEYS):
+            raise ConfigError(f"unknown config key '{key}'{_nearest_key(key)}")
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
@@ -82,6 +100,7 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
+    _check_added_keys(overrides)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     GlobalHydra.instance().clear()
     try:
@@ -146,10 +165,10 @@ def validate(cfg: Config) -> None:
             f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} cannot be split over "
             f"learner.num_ranks={cfg.learner.num_ranks}: make it a multiple of the ranks"
         )
-    if groups_per_rank % cfg.learner.minibatches:
+    if groups_per_rank * cfg.algo.group_size < cfg.learner.minibatches:
         raise ConfigError(
-            f"learner.minibatches={cfg.learner.minibatches} does not divide the "
-            f"{groups_per_rank} prompt groups each learner rank gets per step"
+            f"learner.minibatches={cfg.learner.minibatches} exceeds the "
+            f"{groups_per_rank * cfg.algo.group_size} completions each learner rank gets per step"
         )
     if cfg.warmup.steps and cfg.warmup.batch_size % cfg.learner.num_ranks:
         raise ConfigError(

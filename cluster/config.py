@@ -83,8 +83,9 @@ class AlgoConfig:
 
 @dataclass
 class WarmupConfig:
-    steps: int = 250
-    """Supervised warm-up steps on the learner before GRPO (0 skips it). Stopped early on purpose."""
+    steps: int = 270
+    """Supervised warm-up steps on the learner before GRPO (0 skips it). Stopped early on purpose:
+    for the built-in task 250 steps gave 23% held-out accuracy and 280 gave 64% (measured)."""
     batch_size: int = 64
     """Examples per warm-up step, over all learner ranks."""
     lr: float = 3e-3
@@ -122,14 +123,16 @@ class LearnerConfig:
     """Data-parallel DeepSpeed ranks, one Ray actor each."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage (0-3)."""
-    lr: float = 2e-3
-    """GRPO learning rate (AdamW)."""
+    lr: float = 7e-4
+    """GRPO learning rate (AdamW). 2e-3 did not learn the built-in task from a weak start (KL
+    rose, reward stayed flat); 5e-4 and 7e-4 did (measured)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
-    minibatches: int = 1
-    """Optimizer steps per pass over a batch of rollouts."""
+    minibatches: int = 2
+    """Optimizer steps per pass over a batch of rollouts; the later ones are off-policy, which
+    is what the PPO clip is for."""
     num_cpus_per_rank: float = 0.25
     """Ray CPUs reserved per learner rank."""
     num_gpus_per_rank: float = 0.0
@@ -160,8 +163,8 @@ class SyncConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 40
-    """GRPO steps (one batch of rollouts and one update each)."""
+    max_steps: int = 80
+    """GRPO steps (one batch of rollouts, learner.minibatches updates, one weight push each)."""
     prompts_per_step: int = 64
     """B: prompts per GRPO step; each gets group_size completions."""
     output_dir: str = "runs"

@@ -25,7 +25,7 @@ def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = 
     address = address or os.environ.get("RAY_ADDRESS")
     runtime_env = {"env_vars": env_vars} if env_vars else None
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
     else:
         ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
-                 log_to_driver=True)
+                 log_to_driver=False)  # actor errors still reach the driver as exceptions

@@ -48,14 +48,16 @@ def train(cfg: Config) -> Dict[str, object]:
     from rollout.datasets import PromptSampler, load_problems
 
     started = time.time()
-    train_set, heldout = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
+    heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
     cfg.model.path = resolve_model(cfg)
     run_dir = make_run_dir(cfg)
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
     roles = start_roles(cfg)
+    say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
+        f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks", started)
     version = warm_up(roles, cfg, train_set)
     accuracy_before = evaluate(roles, heldout)
-    print(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", flush=True)
+    say(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", started)
 
     sampler, buffer = PromptSampler(train_set, cfg.trainer.seed), RolloutBuffer()
     logger = MetricsLogger(run_dir, config_dict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress)
@@ -67,6 +69,7 @@ def train(cfg: Config) -> Dict[str, object]:
         logger.log(row)
 
     accuracy_after = evaluate(roles, heldout)
+    say(f"held-out greedy accuracy after GRPO: {accuracy_after:.1%}", started)
     final_model = roles.learner.save_pretrained(str(run_dir / "final_model"))
     summary = {
         "heldout_accuracy_before": accuracy_before,
@@ -144,7 +147,7 @@ def warm_up(roles: Roles, cfg: Config, train_set) -> int:
         return 0
     losses = roles.learner.warmup(ray.put(examples), cfg.warmup.steps, cfg.warmup.batch_size,
                                   cfg.warmup.lr, cfg.trainer.seed)
-    print(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+    say(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     roles.learner.call("snapshot_reference")  # pi_ref is the model GRPO starts from
     roles.channel.push(1)
     return 1
@@ -158,6 +161,11 @@ def evaluate(roles: Roles, heldout) -> float:
     _, stats = roles.verifiers.score(refs)
     key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
     return stats[key] / max(stats["completions"], 1)
+
+
+def say(message: str, since: Optional[float] = None) -> None:
+    stamp = f"[{time.time() - since:6.1f}s] " if since is not None else ""
+    print(f"{stamp}{message}", flush=True)
 
 
 class Timer:

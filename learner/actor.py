@@ -167,20 +167,22 @@ class LearnerRank:
             A = A / (self._global_std(r) + self.algo["adv_eps"])
 
         # pi_old and pi_ref are fixed for the whole step: computed once, before any update.
-        self.engine.eval()
+        num_mb = self.cfg["minibatches"]
+        single_update = self.algo["num_iterations"] == 1 and num_mb == 1
         with torch.no_grad():
-            old_logprobs = self._token_logprobs(self.engine, ids, attention, temperature)
+            # With one update per batch, pi_old is the policy being differentiated: its
+            # log-probs are the same numbers, detached (saves a forward pass; ratio = 1).
+            old_logprobs = (None if single_update
+                            else self._token_logprobs(self.engine, ids, attention, temperature))
             ref_logprobs = (self._token_logprobs(self.ref_model, ids, attention, temperature)
                             if self.ref_model is not None else None)
-        self.engine.train()
-        num_mb = self.cfg["minibatches"]
         n = ids.shape[0]
         step_metrics: List[Dict[str, float]] = []
         for _ in range(self.algo["num_iterations"]):
             for mb in torch.arange(n, device=self.device).chunk(num_mb):
                 logprobs = self._token_logprobs(self.engine, ids[mb], attention[mb], temperature)
                 loss, metrics = grpo.policy_loss(
-                    logprobs, old_logprobs[mb], None if ref_logprobs is None else ref_logprobs[mb],
+                    logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[mb], None if ref_logprobs is None else ref_logprobs[mb],
                     A[mb], mask[mb], clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
                     beta=self.algo["beta"], kl_estimator=self.algo["kl_estimator"],
                     loss_agg=self.algo["loss_agg"], max_length=mask.shape[1],

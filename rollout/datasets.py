@@ -15,7 +15,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:  # typing only: the schema module is light, but keep the import optional
     from cluster.config import DataConfig
@@ -43,6 +43,13 @@ class Problem:
     answer: str
     solution: Optional[str] = None
     """A target completion for the supervised warm-up, when known."""
+
+
+class Splits(NamedTuple):
+    """A dataset's two disjoint parts; unpacks as (heldout, train)."""
+
+    heldout: List[Problem]
+    train: List[Problem]
 
 
 class DataError(ValueError):
@@ -90,7 +97,7 @@ def _operand_range(digits: int) -> Tuple[int, int]:
 
 
 def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits: int,
-                        max_digits: int) -> Tuple[List[Problem], List[Problem]]:
+                        max_digits: int) -> Splits:
     """(held-out, train) addition problems `a+b=` whose operands have min..max digits.
 
     Deterministic in `seed`; no (a, b) pair is in both lists. Small pair spaces (2-digit
@@ -142,8 +149,8 @@ def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits
                 ordered.append(pair)
         heldout_pairs, train_pairs = ordered[:heldout_size], ordered[heldout_size:]
 
-    return ([_addition_problem(a, b) for a, b in heldout_pairs],
-            [_addition_problem(a, b) for a, b in train_pairs])
+    return Splits([_addition_problem(a, b) for a, b in heldout_pairs],
+                  [_addition_problem(a, b) for a, b in train_pairs])
 
 
 # --------------------------------------------------------------------------- files and datasets
@@ -274,7 +281,7 @@ def _load_hf_rows(data_cfg) -> Tuple[str, Iterable[Tuple[str, Any]]]:
 
 
 def _split_heldout(problems: List[Problem], heldout_size: int,
-                   seed: int) -> Tuple[List[Problem], List[Problem]]:
+                   seed: int) -> Splits:
     """Seeded shuffle; held-out = first min(heldout_size, n // 5) (at least 1 when n >= 2)."""
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
@@ -282,10 +289,10 @@ def _split_heldout(problems: List[Problem], heldout_size: int,
     if len(problems) >= 2:
         count = max(count, 1)
     shuffled = [problems[i] for i in order]
-    return shuffled[:count], shuffled[count:]
+    return Splits(shuffled[:count], shuffled[count:])
 
 
-def load_problems(data_cfg: "DataConfig", seed: int) -> Tuple[List[Problem], List[Problem]]:
+def load_problems(data_cfg: "DataConfig", seed: int) -> Splits:
     """(held-out, train) problems of the configured source (`data.source`)."""
     source = data_cfg.source
     if source == "arithmetic":

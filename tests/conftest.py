@@ -1,0 +1,60 @@
+"""Shared, expensive fixtures: one Ray, one tiny model, one set of actors for the whole session.
+
+vLLM engines take ~20 s each to start on 2 cores, so integration tests share them.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def small_overrides(model_cache: str, tmp_dir: str):
+    """A run small enough for tests, on the same code path as the default job."""
+    return [
+        f"model.cache_dir={model_cache}",
+        f"trainer.output_dir={tmp_dir}",
+        "trainer.prompts_per_step=8",
+        "trainer.progress=false",
+        "algo.group_size=4",
+        "data.heldout_size=16",
+        "warmup.steps=20",
+        "logger=none",
+    ]
+
+
+@pytest.fixture(scope="session")
+def system_cfg(model_cache, tmp_path_factory):
+    from cluster.compose import load_config
+    from cluster.train import resolve_model
+
+    cfg = load_config(small_overrides(model_cache, str(tmp_path_factory.mktemp("runs"))))
+    cfg.model.path = resolve_model(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from cluster.train import ACTOR_ENV
+
+    # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": ACTOR_ENV})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def roles(ray_session, system_cfg):
+    from cluster.train import start_roles
+
+    roles = start_roles(system_cfg)
+    yield roles
+    roles.shutdown()
