@@ -126,6 +126,10 @@ class LearnerConfig:
     lr: float = 7e-4
     """GRPO learning rate (AdamW). 2e-3 did not learn the built-in task from a weak start (KL
     rose, reward stayed flat); 5e-4 and 7e-4 did (measured)."""
+    lr_schedule: str = "linear"
+    """`linear` decays lr to lr * min_lr_ratio at the last GRPO step; `constant` keeps it."""
+    min_lr_ratio: float = 0.1
+    """Where the linear schedule ends, as a fraction of lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -163,7 +167,7 @@ class SyncConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 80
+    max_steps: int = 100
     """GRPO steps (one batch of rollouts, learner.minibatches updates, one weight push each)."""
     prompts_per_step: int = 64
     """B: prompts per GRPO step; each gets group_size completions."""
@@ -173,8 +177,8 @@ class TrainerConfig:
     """Folder name of this run under output_dir (default: grpo-<date>-<time>)."""
     seed: int = 0
     """Seeds data generation, sampling and initialisation."""
-    eval_every: int = 0
-    """Greedy held-out accuracy every N steps (0: only before and after GRPO)."""
+    eval_every: int = 20
+    """Greedy held-out accuracy every N steps, as `heldout_accuracy` (0: only before and after GRPO)."""
     progress: bool = True
     """Show the terminal progress bar."""
 

@@ -7,8 +7,8 @@ from pathlib import Path
 PANELS = [
     ("reward_mean", "reward (mean)"),
     ("accuracy", "accuracy (train samples)"),
+    ("heldout_accuracy", "held-out greedy accuracy"),
     ("kl", "KL to reference"),
-    ("clip_fraction", "clip fraction"),
     ("response_length_mean", "response length (tokens)"),
     ("time_step", "step time (s)"),
 ]
@@ -24,6 +24,10 @@ def write_report(run_dir: Path, heldout_before: float | None = None, heldout_aft
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (key, title) in zip(axes.flat, PANELS):
         points = [(r["step"], r[key]) for r in rows if key in r]
+        if key == "heldout_accuracy" and heldout_before is not None and heldout_after is not None:
+            # Before GRPO is step 0; the final evaluation is the last step.
+            last = rows[-1]["step"] if rows else 0
+            points = [(0, heldout_before)] + [p for p in points if p[0] != last] + [(last, heldout_after)]
         if points:
             ax.plot(*zip(*points), marker="o", markersize=2, linewidth=1.2)
         ax.set_title(title)

@@ -22,7 +22,6 @@ ACTOR_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONWARNINGS": "ignore",
-    "DS_ACCELERATOR": "cpu",
 }
 
 
@@ -94,9 +93,11 @@ def train(cfg: Config) -> Dict[str, object]:
 
 def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Config) -> Dict[str, float]:
     """One synchronous, on-policy GRPO iteration: generate, score, train, push weights."""
+    from learner.lr_schedule import lr_at
     from reward.pool import summarize
 
     timer = Timer()
+    lr = lr_at(step, cfg.trainer.max_steps, cfg.learner.lr, cfg.learner.lr_schedule, cfg.learner.min_lr_ratio)
     batch = sampler.next_batch(cfg.trainer.prompts_per_step)
     with timer("time_generate"):
         group_refs = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False,
@@ -105,7 +106,7 @@ def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Confi
         scored_refs, reward_stats = roles.verifiers.score(group_refs)
     buffer.put(scored_refs, version)
     with timer("time_train"):
-        learner_metrics = roles.learner.train_step(buffer.take(len(scored_refs)), cfg.rollout.temperature)
+        learner_metrics = roles.learner.train_step(buffer.take(len(scored_refs)), cfg.rollout.temperature, lr)
     with timer("time_weight_sync"):
         sync_metrics = roles.channel.push(version + 1)
     rewards = summarize(reward_stats, cfg.reward.verifiers)

@@ -140,13 +140,14 @@ class LearnerRank:
         self.ref_model = ref.to(self.device).eval().requires_grad_(False)
 
     # ---- GRPO ----------------------------------------------------------------------------
-    def train_step(self, group_refs: List[ray.ObjectRef], temperature: float) -> Dict[str, float]:
+    def train_step(self, group_refs: List[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
         """One GRPO update on this rank's prompt groups; returns this rank's metrics."""
         import torch
 
         from learner import grpo
 
         start = time.perf_counter()
+        self._set_lr(lr)
         groups = ray.get(list(group_refs))
         G = groups[0].group_size
         seqs, starts, rewards, lengths, truncated = [], [], [], [], []
@@ -237,7 +238,8 @@ class LearnerRank:
                 state = self.engine.module.state_dict()
                 for bucket in spec.buckets():
                     flat = weight_sync.pack([state[t.name] for t in bucket], spec.dtype)
-                    weight_sync.broadcast(self.sync_group, flat.cpu() if not self.on_gpu else flat)
+                    # The sync group is gloo (CPU tensors) for now; NCCL on GPUs is issue 4's.
+                    weight_sync.broadcast(self.sync_group, flat.cpu())
         seconds = time.perf_counter() - start
         return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
                 "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9}

@@ -30,11 +30,11 @@ class LearnerGroup:
     def warmup(self, examples_ref, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
         return self.call("warmup", examples_ref, steps, batch_size, lr, seed)[0]
 
-    def train_step(self, group_refs: Sequence[ray.ObjectRef], temperature: float) -> Dict[str, float]:
+    def train_step(self, group_refs: Sequence[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
         """Each rank gets an equal, contiguous share of whole groups; metrics are averaged."""
         per_rank = len(group_refs) // len(self.ranks)
         shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
-        results = ray.get([r.train_step.remote(shard, temperature) for r, shard in zip(self.ranks, shards)])
+        results = ray.get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)])
         return {k: sum(m[k] for m in results) / len(results) for k in results[0]}
 
     def save_pretrained(self, folder: str) -> str:
