@@ -49,8 +49,9 @@ def train(cfg: Config) -> Dict[str, object]:
     started = time.time()
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
     cfg.model.path = resolve_model(cfg)
-    run_dir = make_run_dir(cfg)
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
+    run_dir = make_run_dir(cfg)
     roles = start_roles(cfg)
     say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
         f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks", started)
@@ -59,7 +60,7 @@ def train(cfg: Config) -> Dict[str, object]:
     say(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", started)
 
     sampler, buffer = PromptSampler(train_set, cfg.trainer.seed), RolloutBuffer()
-    logger = MetricsLogger(run_dir, config_dict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress)
+    logger = MetricsLogger(run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress)
     for step in range(1, cfg.trainer.max_steps + 1):
         row = grpo_step(step, version, roles, sampler, buffer, cfg)
         version = row["policy_version"]
@@ -208,6 +209,23 @@ def resolve_model(cfg: Config) -> str:
     return folder
 
 
+def check_resources(cfg: Config) -> None:
+    from cluster.ray_utils import missing_resources
+
+    demands = {
+        "CPU": cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+        + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
+        + cfg.reward.num_workers * cfg.reward.num_cpus_per_worker,
+        "GPU": cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker
+        + cfg.learner.num_ranks * cfg.learner.num_gpus_per_rank,
+    }
+    missing = missing_resources(demands)
+    if missing:
+        raise ConfigError(
+            f"the actors need {', '.join(missing)}: lower rollout/learner/reward num_workers, "
+            f"num_ranks or their num_cpus_*/num_gpus_* (or raise ray.num_cpus locally)")
+
+
 def check_model_length(cfg: Config, folder: str) -> None:
     config_file = Path(folder) / "config.json"
     if not config_file.exists():
@@ -230,10 +248,6 @@ def make_run_dir(cfg: Config) -> Path:
 
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return run_dir
-
-
-def config_dict(cfg: Config) -> dict:
-    return asdict(cfg)
 
 
 def print_summary(run_dir: Path, summary: Dict[str, object]) -> None:

@@ -45,6 +45,15 @@ def test_bad_config_exits_2_with_one_line(override, names, tmp_path):
     assert not any(tmp_path.iterdir()), "a bad config must fail before anything is produced"
 
 
+def test_more_resources_than_the_cluster_exits_2(tmp_path, model_cache):
+    result = run(GRPO, "train", "rollout.num_workers=9", "ray.num_cpus=2", f"model.cache_dir={model_cache}",
+                 f"trainer.output_dir={tmp_path}", "logger=none")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CPU" in lines[0] and "rollout" in lines[0], result.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_bad_data_row_exits_2_naming_the_line(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')

@@ -1,6 +1,7 @@
 """Integration tests on the real stack: Ray actors, vLLM (CPU build), DeepSpeed ZeRO-2 over gloo."""
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 
@@ -83,3 +84,14 @@ def _rollout_cfg(cfg) -> dict:
     from dataclasses import asdict
 
     return asdict(cfg.rollout)
+
+
+def test_buffer_holds_refs_only_and_keeps_order(ray_session):
+    buffer = RolloutBuffer()
+    refs = [ray.put(f"group {i}") for i in range(3)]
+    buffer.put(refs, policy_version=3)
+    with pytest.raises(TypeError, match="ObjectRef"):
+        buffer.put(["a payload, not a reference"], policy_version=3)
+    with pytest.raises(ValueError):
+        buffer.take(4)
+    assert buffer.take(2) == refs[:2] and len(buffer) == 1
