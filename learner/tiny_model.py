@@ -56,6 +56,9 @@ def build_tiny_model(model_cfg, seed: int = 0) -> str:
         return str(folder)
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a one-time build needs no progress bar in the CLI's output
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
