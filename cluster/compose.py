@@ -48,23 +48,31 @@ def _nearest_key(key: str) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-def _explain(exc: Exception, overrides: Sequence[str]) -> str:
-    """Turn Hydra's multi-line composition errors into one line naming the key."""
+GROUPS = ("model", "data", "logger")
+
+
+def _check_keys(overrides: Sequence[str]) -> None:
+    """Every override must name a schema key, a config group, or a key under a free-form mapping.
+
+    Checked before Hydra composes: for a `+key=value` typo Hydra would add the key and the
+    schema would then drop it silently, so the run would go on with the default.
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    known = set(schema_keys())
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception as parse_error:  # the grammar itself was violated
-        return f"cannot parse overrides: {str(parse_error).splitlines()[0]}"
+    except Exception as exc:  # the grammar itself was violated
+        raise ConfigError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from exc
+    known = set(schema_keys())
     for override in parsed:
         key = override.key_or_group
-        if override.is_delete() or override.is_add() or key in known:
+        if override.is_delete() or key in known or key in GROUPS or key.startswith(MAPPING_KEYS):
             continue
-        if "." not in key and key in {"model", "data", "logger"}:
-            continue  # a config group choice; Hydra's own message below names the options
-        if not key.startswith(MAPPING_KEYS):
-            return f"unknown config key '{key}'{_nearest_key(key)}"
+        raise ConfigError(f"unknown config key '{key}'{_nearest_key(key)}")
+
+
+def _explain(exc: Exception) -> str:
+    """Turn Hydra's multi-line composition errors into one line naming the key."""
     cause = exc
     while cause.__cause__ is not None:
         cause = cause.__cause__
@@ -78,36 +86,20 @@ def _explain(exc: Exception, overrides: Sequence[str]) -> str:
     return f"{full_key}: {text}" if full_key and full_key not in text else text
 
 
-def _check_added_keys(overrides: Sequence[str]) -> None:
-    """`+key=value` may only add under a free-form mapping: elsewhere Hydra would accept the new
-    key and the schema would then drop it silently, so a typo would run with the default."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception as exc:
-        raise ConfigError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from exc
-    known = set(schema_keys())
-    for override in parsed:
-        key = override.key_or_group
-        if override.is_add() and key not in known and not key.startswith(MAPPING_KEYS):
-            raise ConfigError(f"unknown config key '{key}'{_nearest_key(key)}")
-
-
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """Schema + conf/config.yaml defaults + overrides, as a typed (struct) DictConfig."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
-    _check_added_keys(overrides)
+    _check_keys(overrides)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="grpo"):
             return compose(config_name="config", overrides=list(overrides))
     except Exception as exc:  # Hydra/OmegaConf raise many types; all are a bad config here
-        raise ConfigError(_explain(exc, overrides)) from exc
+        raise ConfigError(_explain(exc)) from exc
 
 
 def load_config(overrides: Sequence[str] = ()) -> Config:

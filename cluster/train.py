@@ -130,7 +130,8 @@ def start_roles(cfg: Config) -> Roles:
     from rollout.pool import RolloutPool
 
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
-    learner = LearnerGroup(cfg.model.path, asdict(cfg.learner), asdict(cfg.algo), cfg.trainer.seed)
+    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
+    learner = LearnerGroup(cfg.model.path, asdict(cfg.learner), algo, cfg.trainer.seed)
     verifiers = VerifierPool(cfg.reward.verifiers, cfg.reward.weights, cfg.reward.num_workers,
                              cfg.reward.num_cpus_per_worker)
     rollout = RolloutPool(cfg.model.path, asdict(cfg.rollout), cfg.rollout.num_workers, cfg.trainer.seed,

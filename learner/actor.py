@@ -5,14 +5,18 @@ frozen reference copy. Rank 0 is also the sender of the weight-sync channel.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
 from typing import Dict, List, Optional
 
 import ray
+import torch
 
 from cluster import weight_sync
+from cluster.ray_utils import free_port, node_ip
+from learner import grpo
 
 
 class LearnerRank:
@@ -23,8 +27,6 @@ class LearnerRank:
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
             "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
         })
-        import torch
-
         self.on_gpu = torch.cuda.is_available() and learner_cfg["num_gpus_per_rank"] > 0
         if not self.on_gpu:
             os.environ["DS_ACCELERATOR"] = "cpu"
@@ -65,20 +67,16 @@ class LearnerRank:
             group["lr"] = lr
 
     def _full_state(self):
-        """The full (unsharded) state dict; under ZeRO-3 gathered on every rank for the duration."""
-        import deepspeed
+        """The full (unsharded) parameters; under ZeRO-3 gathered on every rank for the duration."""
+        import deepspeed  # imported after DS_ACCELERATOR is set, in __init__
 
         params = list(self.engine.module.parameters())
         if self.cfg["zero_stage"] == 3:
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        import contextlib
-
         return contextlib.nullcontext()
 
     def _token_logprobs(self, model, input_ids, attention_mask, temperature: float = 1.0):
         """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]."""
-        import torch
-
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
@@ -86,8 +84,6 @@ class LearnerRank:
 
     def _pad(self, sequences: List[List[int]], completion_starts: List[int]):
         """Right-padded ids, attention mask, and the mask of completion tokens (as targets)."""
-        import torch
-
         length = max(len(s) for s in sequences)
         pad = self.tokenizer.pad_token_id
         ids = torch.full((len(sequences), length), pad, dtype=torch.long)
@@ -142,10 +138,6 @@ class LearnerRank:
     # ---- GRPO ----------------------------------------------------------------------------
     def train_step(self, group_refs: List[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
         """One GRPO update on this rank's prompt groups; returns this rank's metrics."""
-        import torch
-
-        from learner import grpo
-
         start = time.perf_counter()
         self._set_lr(lr)
         groups = ray.get(list(group_refs))
@@ -160,12 +152,12 @@ class LearnerRank:
                 truncated.append(reason == "length")
         ids, attention, mask = self._pad(seqs, starts)
         r = torch.tensor(rewards, dtype=torch.float32, device=self.device)
-        A = grpo.compute_advantages(r, G, scale=self.algo["adv_scale"], eps=self.algo["adv_eps"],
+        scale, eps = self.algo["adv_scale"], self.algo["adv_eps"]
+        # "batch" means the whole step's batch, across ranks, not this rank's share of it.
+        A = grpo.compute_advantages(r, G, scale="none" if scale == "batch" else scale, eps=eps,
                                     estimator=self.algo["adv_estimator"])
-        if self.algo["adv_scale"] == "batch":
-            # "batch" means the whole step's batch, across ranks, not this rank's share.
-            A = grpo.compute_advantages(r, G, scale="none", estimator=self.algo["adv_estimator"])
-            A = A / (self._global_std(r) + self.algo["adv_eps"])
+        if scale == "batch":
+            A = A / (self._global_std(r) + eps)
 
         # pi_old and pi_ref are fixed for the whole step: computed once, before any update.
         num_mb = self.cfg["minibatches"]
@@ -183,10 +175,13 @@ class LearnerRank:
             for mb in torch.arange(n, device=self.device).chunk(num_mb):
                 logprobs = self._token_logprobs(self.engine, ids[mb], attention[mb], temperature)
                 loss, metrics = grpo.policy_loss(
-                    logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[mb], None if ref_logprobs is None else ref_logprobs[mb],
+                    logprobs,
+                    logprobs.detach() if old_logprobs is None else old_logprobs[mb],
+                    None if ref_logprobs is None else ref_logprobs[mb],
                     A[mb], mask[mb], clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
                     beta=self.algo["beta"], kl_estimator=self.algo["kl_estimator"],
-                    loss_agg=self.algo["loss_agg"], max_length=mask.shape[1],
+                    # Dr. GRPO divides by a constant, the longest completion allowed.
+                    loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
                 )
                 self.engine.backward(loss)
                 self.engine.step()
@@ -203,10 +198,9 @@ class LearnerRank:
         return out
 
     def _global_std(self, r):
-        import torch
         import torch.distributed as dist
 
-        stats = torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()))]).double()
+        stats = torch.stack([r.sum(), (r * r).sum(), r.new_tensor(float(r.numel()))]).double()
         dist.all_reduce(stats)
         mean = stats[0] / stats[2]
         return float((stats[1] / stats[2] - mean * mean).clamp(min=0).sqrt())
@@ -219,8 +213,6 @@ class LearnerRank:
 
     def sync_address(self) -> tuple:
         """Where the sync group's rendezvous (hosted by this rank) will listen."""
-        from cluster.ray_utils import free_port, node_ip
-
         return node_ip(), free_port()
 
     def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -254,10 +246,6 @@ class LearnerRank:
                 self.tokenizer.save_pretrained(folder)
                 return folder
         return None
-
-    def param_checksum(self) -> float:
-        with self._full_state():
-            return float(sum(p.detach().double().sum() for p in self.engine.module.parameters()))
 
     def state_copy(self) -> Dict[str, "object"]:
         """Full parameters on CPU (for tests)."""

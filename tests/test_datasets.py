@@ -334,3 +334,16 @@ def test_sampler_resume_from_unnormalised_boundary_state():
 def test_sampler_rejects_empty():
     with pytest.raises(DataError):
         PromptSampler([], seed=0)
+
+
+def test_hf_by_name_goes_through_load_dataset(tmp_path, monkeypatch):
+    """`data.name` reaches datasets.load_dataset; here a local data folder, as no hub is reachable."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "gsm8k_like"
+    folder.mkdir()
+    rows = [{"question": f"What is {i}+1?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(20)]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = data_cfg(source="hf", name=str(folder), split="train", prompt_key="question", heldout_size=4)
+    heldout, train = load_problems(cfg, seed=0)
+    assert len(heldout) == 4 and len(train) == 16
+    assert {p.answer for p in heldout + train} == {str(i + 1) for i in range(20)}
