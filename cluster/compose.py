@@ -151,6 +151,16 @@ def validate(cfg: Config) -> None:
     _one_of("data.source", cfg.data.source, ("arithmetic", "jsonl", "hf"))
     _one_of("model.name", cfg.model.name, ("tiny", "hf"))
     _one_of("logger.backend", cfg.logger.backend, ("wandb", "none"))
+    _one_of("rollout.dtype", cfg.rollout.dtype, ("float32", "bfloat16", "float16"))
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be above 0 for sampling (got {cfg.rollout.temperature}); "
+                          "evaluation is greedy anyway")
+    _at_least("rollout.max_new_tokens", cfg.rollout.max_new_tokens, 1)
+    _at_least("data.heldout_size", cfg.data.heldout_size, 1)
+    _at_least("warmup.check_every", cfg.warmup.check_every, 1)
+    _at_least("warmup.probe_size", cfg.warmup.probe_size, 1)
+    if not cfg.reward.verifiers:
+        raise ConfigError("reward.verifiers is empty: name at least one verifier (e.g. [math,format])")
     # Groups are the unit that learner ranks split: advantages need a whole group on one rank.
     groups_per_rank, rest = divmod(cfg.trainer.prompts_per_step, cfg.learner.num_ranks)
     if rest:

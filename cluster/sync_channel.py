@@ -17,7 +17,8 @@ class WeightSyncError(RuntimeError):
 class WeightSyncChannel:
     def __init__(self, learner, rollout, dtype: str, bucket_mb: float, timeout_s: float):
         self.learner, self.rollout, self.timeout_s = learner, rollout, timeout_s
-        self.spec = ray.get(learner.rank0.weight_spec.remote(dtype, bucket_mb))
+        # Every rank joins: under ZeRO-3 reading the full shapes is a collective gather.
+        self.spec = learner.call("weight_spec", dtype, bucket_mb)[0]
         host, port = ray.get(learner.rank0.sync_address.remote())
         world = 1 + len(rollout.workers)  # learner rank 0 is the root, workers are 1..N
         # Every member joins at once: the group's constructor waits for all of them.

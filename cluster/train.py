@@ -48,6 +48,7 @@ def train(cfg: Config) -> Dict[str, object]:
 
     started = time.time()
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
+    check_inputs(cfg, train_set)
     cfg.model.path = resolve_model(cfg)
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
     check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
@@ -141,26 +142,40 @@ def start_roles(cfg: Config) -> Roles:
 
 
 def warm_up(roles: Roles, cfg: Config, train_set) -> int:
-    """Short supervised warm-up on the learner, then push its weights. Returns the policy version."""
+    """Supervised warm-up on the learner, stopped early on purpose; returns the policy version.
+
+    Every `check_every` steps the weights go to the rollout workers, which measure greedy
+    accuracy on a probe of training problems; the warm-up ends once it reaches
+    `target_accuracy`, leaving GRPO an ability to sharpen rather than one to create.
+    """
     import ray
 
+    w = cfg.warmup
     examples = [(p.prompt, p.solution) for p in train_set if p.solution]
-    if not cfg.warmup.steps or not examples:
-        roles.learner.call("snapshot_reference")
-        return 0
-    losses = roles.learner.warmup(ray.put(examples), cfg.warmup.steps, cfg.warmup.batch_size,
-                                  cfg.warmup.lr, cfg.trainer.seed)
-    say(f"warm-up: {cfg.warmup.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    version = 0
+    if w.steps and examples:
+        roles.learner.call("load_warmup", ray.put(examples))
+        probe = train_set[: w.probe_size]
+        done, accuracy = 0, None
+        while done < w.steps and (accuracy is None or accuracy < w.target_accuracy):
+            chunk = min(w.check_every if w.target_accuracy > 0 else w.steps, w.steps - done)
+            losses = roles.learner.warmup(chunk, w.batch_size, w.lr, cfg.trainer.seed + done)
+            done += chunk
+            version += 1
+            roles.channel.push(version)
+            if w.target_accuracy > 0:
+                accuracy = evaluate(roles, probe)
+        probe_note = f", probe accuracy {accuracy:.1%}" if accuracy is not None else ""
+        say(f"warm-up: {done} supervised steps, loss {losses[-1]:.3f}{probe_note}")
     roles.learner.call("snapshot_reference")  # pi_ref is the model GRPO starts from
-    roles.channel.push(1)
-    return 1
+    return version
 
 
-def evaluate(roles: Roles, heldout) -> float:
-    """Greedy held-out accuracy through the vLLM actors and the verifier pool."""
+def evaluate(roles: Roles, problems) -> float:
+    """Greedy accuracy on `problems` through the vLLM actors and the verifier pool."""
     from rollout.pool import as_batch
 
-    refs = roles.rollout.generate(as_batch(heldout), 1, greedy=True, seed=0)
+    refs = roles.rollout.generate(as_batch(problems), 1, greedy=True, seed=0)
     _, stats = roles.verifiers.score(refs)
     key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
     return stats[key] / max(stats["completions"], 1)
@@ -208,6 +223,22 @@ def resolve_model(cfg: Config) -> str:
     folder = build_tiny_model(cfg.model, cfg.trainer.seed)
     check_model_length(cfg, folder)
     return folder
+
+
+def check_inputs(cfg: Config, train_set) -> None:
+    """What the schema cannot know: the verifiers that exist and the size of the data."""
+    from reward.verifiers import VERIFIERS
+
+    unknown = [name for name in cfg.reward.verifiers if name not in VERIFIERS]
+    if unknown:
+        raise ConfigError(f"reward.verifiers: unknown verifier '{unknown[0]}' (known: {', '.join(VERIFIERS)})")
+    if len(train_set) < cfg.trainer.prompts_per_step:
+        raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} exceeds the "
+                          f"{len(train_set)} training prompts")
+    with_solution = sum(1 for p in train_set if p.solution)
+    if cfg.warmup.steps and with_solution and with_solution < cfg.warmup.batch_size:
+        raise ConfigError(f"warmup.batch_size={cfg.warmup.batch_size} exceeds the {with_solution} "
+                          "training rows with a solution")
 
 
 def check_resources(cfg: Config) -> None:

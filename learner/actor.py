@@ -43,6 +43,9 @@ class LearnerRank:
         self.cfg, self.algo = learner_cfg, algo_cfg
         self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # Llama-style tokenizers have no pad token: any id works under the attention mask.
+        self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
+        self.warmup_examples: List[tuple] = []
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are formed here, not by DeepSpeed
@@ -85,19 +88,28 @@ class LearnerRank:
     def _pad(self, sequences: List[List[int]], completion_starts: List[int]):
         """Right-padded ids, attention mask, and the mask of completion tokens (as targets)."""
         length = max(len(s) for s in sequences)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(sequences), length), pad, dtype=torch.long)
+        ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(sequences), length), dtype=torch.long)
         target_mask = torch.zeros((len(sequences), length - 1), dtype=torch.bool)
         for i, (seq, start) in enumerate(zip(sequences, completion_starts)):
+            assert start >= 1, "a completion needs at least one prompt token before it"
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
             target_mask[i, start - 1: len(seq) - 1] = True  # targets are shifted by one
         return ids.to(self.device), attention.to(self.device), target_mask.to(self.device)
 
     # ---- supervised warm-up --------------------------------------------------------------
-    def warmup(self, examples: List[List[str]], steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
-        """Supervised steps on (prompt, target) pairs; loss on target tokens only.
+    def load_warmup(self, examples: List[List[str]]) -> int:
+        """Tokenise the (prompt, target) pairs once; the warm-up then runs in chunks."""
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.warmup_examples = [
+            (self.tokenizer(p)["input_ids"], self.tokenizer(t, add_special_tokens=False)["input_ids"] + eos)
+            for p, t in examples
+        ]
+        return len(self.warmup_examples)
+
+    def warmup(self, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
+        """Supervised steps on the loaded pairs; loss on target tokens only.
 
         Every rank draws the same global batch from the same seed and trains on its slice, so
         all ranks take the same number of steps (each step is a collective).
@@ -105,8 +117,7 @@ class LearnerRank:
         self._set_lr(lr)
         rng = random.Random(seed)
         per_rank = batch_size // self.world_size
-        eos = self.tokenizer.eos_token_id
-        encoded = [(self.tokenizer(p)["input_ids"], self.tokenizer(t)["input_ids"] + [eos]) for p, t in examples]
+        encoded = self.warmup_examples
         losses = []
         self.engine.train()
         for _ in range(steps):
@@ -131,8 +142,7 @@ class LearnerRank:
         with self._full_state():
             state = {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=self.dtype)
-        ref.load_state_dict(state, strict=False)
-        ref.tie_weights()
+        ref.load_state_dict(state, strict=True)
         self.ref_model = ref.to(self.device).eval().requires_grad_(False)
 
     # ---- GRPO ----------------------------------------------------------------------------

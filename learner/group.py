@@ -27,12 +27,14 @@ class LearnerGroup:
         """Call `method` on every rank at once (collectives need all of them) and wait."""
         return ray.get([getattr(r, method).remote(*args) for r in self.ranks])
 
-    def warmup(self, examples_ref, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
-        return self.call("warmup", examples_ref, steps, batch_size, lr, seed)[0]
+    def warmup(self, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
+        return self.call("warmup", steps, batch_size, lr, seed)[0]
 
     def train_step(self, group_refs: Sequence[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
         """Each rank gets an equal, contiguous share of whole groups; metrics are averaged."""
-        per_rank = len(group_refs) // len(self.ranks)
+        per_rank, rest = divmod(len(group_refs), len(self.ranks))
+        if rest or not per_rank:
+            raise ValueError(f"{len(group_refs)} prompt groups cannot be split evenly over {len(self.ranks)} ranks")
         shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
         results = ray.get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)])
         return {k: sum(m[k] for m in results) / len(results) for k in results[0]}

@@ -24,6 +24,7 @@ def small_overrides(model_cache: str, tmp_dir: str):
         "algo.group_size=4",
         "data.heldout_size=16",
         "warmup.steps=20",
+        "warmup.check_every=10",
         "logger=none",
     ]
 

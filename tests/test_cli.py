@@ -76,7 +76,8 @@ def test_few_step_run_writes_every_artifact(model_cache, tmp_path):
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert [r["policy_version"] for r in rows] == [2, 3]  # 1 is the warmed-up policy
+    warmed = 20 // 10  # warm-up pushes: one per probe, every warmup.check_every steps
+    assert [r["policy_version"] for r in rows] == [warmed + 1, warmed + 2]
     for row in rows:
         for key in ("reward_mean", "reward_std", "accuracy", "kl", "clip_fraction",
                     "response_length_mean", "time_generate", "time_reward", "time_train",

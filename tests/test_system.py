@@ -21,9 +21,11 @@ REQUIRED_KEYS = {
 
 def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, system_cfg):
     heldout, train_set = load_problems(system_cfg.data, system_cfg.trainer.seed)
-    version = warm_up(roles, system_cfg, train_set)
-    assert version == 1
-    assert roles.rollout.versions() == [1, 1]
+    warmed = warm_up(roles, system_cfg, train_set)
+    # One push per warm-up probe (every check_every steps), each reported by every worker.
+    assert warmed == system_cfg.warmup.steps // system_cfg.warmup.check_every
+    assert roles.rollout.versions() == [warmed, warmed]
+    version = warmed
     accuracy = evaluate(roles, heldout[:8])
     assert 0.0 <= accuracy <= 1.0
 
@@ -36,8 +38,8 @@ def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, syste
         rows.append(row)
     after = roles.learner.call("state_copy")
 
-    assert [r["policy_version"] for r in rows] == [2, 3]
-    assert roles.rollout.versions() == [3, 3]
+    assert [r["policy_version"] for r in rows] == [warmed + 1, warmed + 2]
+    assert roles.rollout.versions() == [warmed + 2, warmed + 2]
     assert len(buffer) == 0
     for row in rows:
         assert REQUIRED_KEYS <= set(row), REQUIRED_KEYS - set(row)
