@@ -25,6 +25,7 @@ def small_overrides(model_cache: str, tmp_dir: str):
         "data.heldout_size=16",
         "warmup.steps=20",
         "warmup.check_every=10",
+        "warmup.target_accuracy=0.99",  # exercises the probe path: two probes, two pushes
         "logger=none",
     ]
 
