@@ -8,8 +8,13 @@ from typing import List, Optional
 EXIT_BAD_INPUT = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and status 2, like every other bad input
+        self.exit(EXIT_BAD_INPUT, f"grpo: error: {message} (see grpo --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="Distributed GRPO training on Ray.")
+    parser = _Parser(prog="grpo", description="Distributed GRPO training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a GRPO training job (Hydra-style overrides: a.b=1 group=option)")
     train.add_argument("--cfg", action="store_true", help="print the composed config and exit")

@@ -28,6 +28,12 @@ def test_cfg_prints_composed_config_and_exits_0():
     assert same.returncode == 0 and same.stdout == result.stdout
 
 
+def test_bad_command_line_exits_2_with_one_line():
+    result = run(GRPO, "trian")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "trian" in result.stderr
+
+
 @pytest.mark.parametrize("override, names", [
     ("trainer.max_step=3", ["trainer.max_step", "trainer.max_steps"]),
     ("trainer.max_steps=abc", ["trainer.max_steps"]),
