@@ -6,6 +6,7 @@ ObjectRefs to prompt groups, never their payloads.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -187,20 +188,16 @@ def say(message: str, since: Optional[float] = None) -> None:
 
 
 class Timer:
+    """Seconds spent in each named phase of a step."""
+
     def __init__(self) -> None:
         self.times: Dict[str, float] = {}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.times[name] = time.perf_counter() - self.start
-
-        return _Span()
+        start = time.perf_counter()
+        yield
+        self.times[name] = time.perf_counter() - start
 
     def total(self) -> float:
         return sum(self.times.values())

@@ -130,8 +130,7 @@ class LearnerRank:
             self.engine.backward(loss)
             self.engine.step()
             losses.append(float(loss.detach()))
-        self._set_lr(self.cfg["lr"])
-        return losses
+        return losses  # train_step sets the GRPO lr of each step itself
 
     def snapshot_reference(self) -> None:
         """Freeze a copy of the current policy as pi_ref (GRPO starts from the warmed-up model)."""
