@@ -19,6 +19,11 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a GRPO training job (Hydra-style overrides: a.b=1 group=option)")
     train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     train.add_argument("overrides", nargs="*", help="e.g. trainer.max_steps=10 logger=none +reward.weights.x=1")
+    verify = sub.add_parser("verify", help="score a JSONL file of completions with the verifier pool")
+    verify.add_argument("--verifiers", required=True, help="comma-separated, e.g. math,format or code")
+    verify.add_argument("--input", required=True, help="JSONL rows {prompt, completion, answer[, tests]}")
+    verify.add_argument("--output", required=True, help="JSONL: each input row plus scores, reward, timed_out")
+    verify.add_argument("overrides", nargs="*", help="reward.* settings, e.g. reward.timeout_s=2")
     return parser
 
 
@@ -32,6 +37,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from cluster.compose import ConfigError, compose_config, load_config
 
     try:
+        if args.command == "verify":
+            from cluster.verify import VerifyInputError, verify
+
+            try:
+                verify(args.verifiers.split(","), args.input, args.output, args.overrides)
+            except VerifyInputError as exc:
+                return _fail(str(exc))
+            return 0
         if args.cfg:
             from omegaconf import OmegaConf
 

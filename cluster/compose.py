@@ -9,16 +9,19 @@ import difflib
 import os
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from cluster.config import Config
 
+if TYPE_CHECKING:
+    from reward.registry import VerifierSettings
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SCHEMA_NAME = "grpo_schema"
 # Schema fields that are free-form mappings: any sub-key is valid there.
-MAPPING_KEYS = ("reward.weights.",)
+MAPPING_KEYS = ("reward.weights.", "reward.custom.")
 
 
 class ConfigError(ValueError):
@@ -159,8 +162,7 @@ def validate(cfg: Config) -> None:
     _at_least("data.heldout_size", cfg.data.heldout_size, 1)
     _at_least("warmup.check_every", cfg.warmup.check_every, 1)
     _at_least("warmup.probe_size", cfg.warmup.probe_size, 1)
-    if not cfg.reward.verifiers:
-        raise ConfigError("reward.verifiers is empty: name at least one verifier (e.g. [math,format])")
+    _check_verifiers(cfg)
     # Groups are the unit that learner ranks split: advantages need a whole group on one rank.
     groups_per_rank, rest = divmod(cfg.trainer.prompts_per_step, cfg.learner.num_ranks)
     if rest:
@@ -194,7 +196,32 @@ def validate(cfg: Config) -> None:
     if cfg.data.source == "arithmetic":
         _at_least("data.min_digits", cfg.data.min_digits, 2)
         _at_least("data.max_digits", cfg.data.max_digits, cfg.data.min_digits)
-    for name in cfg.reward.verifiers:
-        if name not in cfg.reward.weights:
-            raise ConfigError(f"reward.weights has no weight for verifier '{name}' "
-                              f"(add +reward.weights.{name}=1.0)")
+
+
+def verifier_settings(reward) -> VerifierSettings:
+    """The verifier pool's settings from the `reward` config section."""
+    from reward.registry import VerifierSettings
+
+    return VerifierSettings(
+        verifiers=list(reward.verifiers), weights=dict(reward.weights), timeout_s=reward.timeout_s,
+        format_pattern=reward.format_pattern, language=reward.language,
+        length_budget=reward.length_budget, custom=dict(reward.custom),
+        memory_mb=reward.sandbox_memory_mb, max_file_mb=reward.sandbox_max_file_mb,
+        max_processes=reward.sandbox_max_processes, search_path=[os.getcwd()],
+    )
+
+
+def _check_verifiers(cfg: Config) -> None:
+    """Unknown verifiers, missing weights, custom ones that do not import, a sandbox that cannot
+    work here: all found before any actor starts."""
+    from reward.registry import check_settings
+    from reward.sandbox import sandbox_problem
+
+    try:
+        check_settings(verifier_settings(cfg.reward))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if "code" in cfg.reward.verifiers:
+        problem = sandbox_problem()
+        if problem:
+            raise ConfigError(f"reward.verifiers: {problem}")

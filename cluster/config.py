@@ -163,6 +163,23 @@ class RewardConfig:
     """Verifiers that score each completion."""
     weights: Dict[str, float] = field(default_factory=lambda: {"math": 1.0, "format": 0.1})
     """Weight of each verifier in the reward."""
+    custom: Dict[str, str] = field(default_factory=dict)
+    """Your own verifiers: name -> `module:function` (e.g. +reward.custom.brevity=my_rewards:brevity)."""
+    timeout_s: float = 5.0
+    """Hard wall-clock limit of one verifier call on one completion (the process is killed)."""
+    format_pattern: Optional[str] = None
+    """format: a regex the whole completion must match, instead of the R1 layout."""
+    language: str = "latin"
+    """language: expected script (latin, han, cyrillic, ...) or code (en, zh, ru, ...); a row's
+    `language` field wins."""
+    length_budget: int = 1024
+    """length: characters allowed before the penalty starts (it reaches -1 at twice this)."""
+    sandbox_memory_mb: int = 1024
+    """code: address-space limit of the sandboxed program."""
+    sandbox_max_file_mb: int = 16
+    """code: largest file the program may write."""
+    sandbox_max_processes: int = 64
+    """code: processes the sandbox may run at once."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ ever holds ObjectRefs to it (the buffer), never the payload.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -23,10 +23,14 @@ class PromptGroup:
     """`stop` (ended with EOS) or `length` (truncated at max_new_tokens)."""
     policy_version: int
     """Version of the weights that generated the completions."""
+    fields: Dict[str, Any] = field(default_factory=dict)
+    """The row's other columns, for verifiers that need them (`tests` for code, `language`)."""
     rewards: Optional[List[float]] = None
     """Weighted sum of the verifier scores, one per completion (set by the verifier pool)."""
     scores: Dict[str, List[float]] = field(default_factory=dict)
     """Per-verifier scores, one list per verifier name."""
+    timed_out: List[List[str]] = field(default_factory=list)
+    """Per completion, the verifiers that ran out of time on it (scored 0)."""
 
     @property
     def group_size(self) -> int:

@@ -128,13 +128,14 @@ def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Confi
 def start_roles(cfg: Config) -> Roles:
     from cluster.sync_channel import WeightSyncChannel
     from learner.group import LearnerGroup
+    from cluster.compose import verifier_settings
     from reward.pool import VerifierPool
     from rollout.pool import RolloutPool
 
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
     algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
     learner = LearnerGroup(cfg.model.path, asdict(cfg.learner), algo, cfg.trainer.seed)
-    verifiers = VerifierPool(cfg.reward.verifiers, cfg.reward.weights, cfg.reward.num_workers,
+    verifiers = VerifierPool(verifier_settings(cfg.reward), cfg.reward.num_workers,
                              cfg.reward.num_cpus_per_worker)
     rollout = RolloutPool(cfg.model.path, asdict(cfg.rollout), cfg.rollout.num_workers, cfg.trainer.seed,
                           cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker)
@@ -223,12 +224,7 @@ def resolve_model(cfg: Config) -> str:
 
 
 def check_inputs(cfg: Config, train_set) -> None:
-    """What the schema cannot know: the verifiers that exist and the size of the data."""
-    from reward.verifiers import VERIFIERS
-
-    unknown = [name for name in cfg.reward.verifiers if name not in VERIFIERS]
-    if unknown:
-        raise ConfigError(f"reward.verifiers: unknown verifier '{unknown[0]}' (known: {', '.join(VERIFIERS)})")
+    """What the schema cannot know: the size of the data."""
     if len(train_set) < cfg.trainer.prompts_per_step:
         raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} exceeds the "
                           f"{len(train_set)} training prompts")

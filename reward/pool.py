@@ -1,87 +1,176 @@
-"""The stateless verifier pool: Ray actors that score prompt groups by reference.
+"""The stateless verifier pool: Ray actors that score prompt groups (or plain rows) by reference.
 
-Each actor fetches the groups it is given, adds per-verifier scores and the weighted reward,
-puts the scored group back in the object store and returns the new reference with a few
-summary numbers. Scoring is a pure function of the text, so any actor can score any batch.
-`reward/` imports no other room: the groups are read by attribute (prompt, completions, answer).
+Work is cut into chunks and handed to whichever actor is free, so the pool finishes when the
+work does, not when the unluckiest fixed share does. Each actor owns a Scorer (a killable child
+process with a hard limit per verifier call). Each chunk's scored groups come back as the
+task's own return values, owned by the caller: an actor that dies later loses nothing already
+scored. Actors restart on failure (`max_restarts=-1`) and Ray re-runs the call that was in
+flight (`max_task_retries`); scoring is a pure function of the text, so a re-run gives the same
+scores and each completion ends up with exactly one.
+`reward/` imports no other room: groups are read and written by attribute (prompt,
+completions, answer, fields; rewards, scores, timed_out).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import math
+from collections import deque
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import ray
 
-from reward.verifiers import score_completion
+from reward.registry import VerifierSettings
+from reward.scorer import Item, Outcome, Scorer
+
+TASK_RETRIES = 3
+"""Re-runs of one chunk after its actor died (each on the restarted actor)."""
 
 
-def _empty_stats(verifiers: Sequence[str]) -> Dict[str, float]:
-    stats = {"completions": 0.0, "reward_sum": 0.0, "reward_sq_sum": 0.0, "uniform_groups": 0.0}
-    stats.update({f"score_sum/{name}": 0.0 for name in verifiers})
+def empty_stats(names: Sequence[str]) -> Dict[str, float]:
+    stats = {"completions": 0.0, "reward_sum": 0.0, "reward_sq_sum": 0.0, "uniform_groups": 0.0,
+             "timeouts": 0.0, "errors": 0.0, "actor_restarts": 0.0, "scorer_restarts": 0.0}
+    for name in names:
+        stats.update({f"score_sum/{name}": 0.0, f"pass_sum/{name}": 0.0, f"timeouts/{name}": 0.0})
     return stats
 
 
-class VerifierWorker:
-    def __init__(self, verifiers: List[str], weights: Dict[str, float]):
-        self.verifiers = list(verifiers)
-        self.weights = dict(weights)
+def _add_outcome(stats: Dict[str, float], outcome: Outcome) -> None:
+    stats["completions"] += 1
+    stats["reward_sum"] += outcome.reward
+    stats["reward_sq_sum"] += outcome.reward * outcome.reward
+    stats["timeouts"] += len(outcome.timed_out)
+    stats["errors"] += len(outcome.errors)
+    for name, score in outcome.scores.items():
+        stats[f"score_sum/{name}"] += score
+        stats[f"pass_sum/{name}"] += float(score >= 1.0)
+    for name in outcome.timed_out:
+        stats[f"timeouts/{name}"] += 1
 
-    def score(self, group_refs: List[ray.ObjectRef]) -> Tuple[List[ray.ObjectRef], Dict[str, float]]:
-        stats = _empty_stats(self.verifiers)
-        scored = []
-        for group in ray.get(list(group_refs)):
-            group.rewards, group.scores = [], {name: [] for name in self.verifiers}
-            for completion in group.completions:
-                reward, scores = score_completion(completion, group.answer, self.verifiers, self.weights)
-                group.rewards.append(reward)
-                for name, value in scores.items():
-                    group.scores[name].append(value)
-                    stats[f"score_sum/{name}"] += value
-                stats["completions"] += 1
-                stats["reward_sum"] += reward
-                stats["reward_sq_sum"] += reward * reward
+
+class VerifierWorker:
+    """One pool actor: fetches work, scores it in its Scorer process, returns it."""
+
+    def __init__(self, settings: VerifierSettings):
+        self.names = list(dict.fromkeys(settings.verifiers))
+        self.scorer = Scorer(settings)
+        # Reported once, by the first call after Ray brought this actor back.
+        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+
+    def _stats(self) -> Dict[str, float]:
+        stats = empty_stats(self.names)
+        stats["actor_restarts"] = float(self._restarted)
+        self._restarted = False
+        return stats
+
+    def score_groups(self, *groups) -> Tuple[Any, ...]:
+        """Scored copies of the groups (rewards, per-verifier scores, timed-out names per
+        completion), then the summed stats: one return value each."""
+        stats = self._stats()
+        restarts = self.scorer.restarts
+        items = [(g.prompt, c, g.answer, getattr(g, "fields", {}) or {}) for g in groups for c in g.completions]
+        outcomes = iter(self.scorer.score(items))
+        for group in groups:
+            mine = [next(outcomes) for _ in group.completions]
+            group.rewards = [o.reward for o in mine]
+            group.scores = {name: [o.scores[name] for o in mine] for name in self.names}
+            group.timed_out = [list(o.timed_out) for o in mine]
+            for outcome in mine:
+                _add_outcome(stats, outcome)
             # A group whose rewards are all equal has zero advantage: it teaches nothing.
             stats["uniform_groups"] += float(len(set(group.rewards)) <= 1)
-            scored.append(ray.put(group))
-        return scored, stats
+        stats["scorer_restarts"] = float(self.scorer.restarts - restarts)
+        return (*groups, stats)
+
+    def score_items(self, *items: Item) -> Tuple[Any, ...]:
+        """One Outcome per (prompt, completion, answer, fields) item, then the summed stats."""
+        stats = self._stats()
+        restarts = self.scorer.restarts
+        outcomes = self.scorer.score(items)
+        for outcome in outcomes:
+            _add_outcome(stats, outcome)
+        stats["scorer_restarts"] = float(self.scorer.restarts - restarts)
+        return (*outcomes, stats)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def scorer_pid(self) -> int:
+        return self.scorer.pid
 
 
 class VerifierPool:
-    def __init__(self, verifiers: List[str], weights: Dict[str, float], num_workers: int, num_cpus: float):
-        actor = ray.remote(num_cpus=num_cpus)(VerifierWorker)
-        self.verifiers = list(verifiers)
-        self.workers = [actor.remote(verifiers, weights) for _ in range(num_workers)]
+    def __init__(self, settings: VerifierSettings, num_workers: int, num_cpus: float):
+        actor = ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=TASK_RETRIES)(VerifierWorker)
+        self.settings = settings
+        self.names = list(dict.fromkeys(settings.verifiers))
+        self.workers = [actor.remote(settings) for _ in range(num_workers)]
+
+    def ready(self) -> None:
+        """Block until every actor has started its scorer process (raises if one cannot)."""
+        ray.get([w.pid.remote() for w in self.workers])
+
+    def _dispatch(self, method: str, payload: Sequence[Any], chunks_per_worker: int = 4):
+        """Run `method` over `payload` in chunks on whichever worker is free.
+
+        Returns (one result ref per payload entry, in order; summed stats).
+        """
+        n = len(payload)
+        out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
+        total = empty_stats(self.names)
+        if n == 0:
+            return out, total
+        size = max(1, math.ceil(n / (len(self.workers) * chunks_per_worker)))
+        queue = deque(range(start, min(start + size, n)) for start in range(0, n, size))
+        idle = list(range(len(self.workers)))
+        running: Dict[ray.ObjectRef, Tuple[int, range, List[ray.ObjectRef]]] = {}
+        while queue or running:
+            while queue and idle:
+                w, chunk = idle.pop(), queue.popleft()
+                refs = getattr(self.workers[w], method).options(num_returns=len(chunk) + 1).remote(
+                    *[payload[i] for i in chunk])
+                refs = refs if isinstance(refs, list) else [refs]
+                running[refs[-1]] = (w, chunk, refs[:-1])
+            done, _ = ray.wait(list(running), num_returns=1)
+            w, chunk, refs = running.pop(done[0])
+            stats = ray.get(done[0])  # raises if the actor failed more than TASK_RETRIES times
+            for key, value in stats.items():
+                total[key] = total.get(key, 0.0) + value
+            for i, ref in zip(chunk, refs):
+                out[i] = ref
+            idle.append(w)
+        return out, total
 
     def score(self, group_refs: Sequence[ray.ObjectRef]) -> Tuple[List[ray.ObjectRef], Dict[str, float]]:
         """Scored group refs (same order) and summed stats over every completion."""
-        num = len(self.workers)
-        calls = []
-        for w, worker in enumerate(self.workers):
-            positions = list(range(w, len(group_refs), num))
-            if positions:
-                calls.append((positions, worker.score.remote([group_refs[i] for i in positions])))
-        scored: List[ray.ObjectRef] = [None] * len(group_refs)  # type: ignore[list-item]
-        total = _empty_stats(self.verifiers)
-        for positions, call in calls:
-            refs, stats = ray.get(call)
-            for i, ref in zip(positions, refs):
-                scored[i] = ref
-            for key, value in stats.items():
-                total[key] += value
-        return scored, total
+        return self._dispatch("score_groups", list(group_refs))
+
+    def score_items(self, items: Sequence[Item]) -> Tuple[List[Outcome], Dict[str, float]]:
+        """Outcomes of plain (prompt, completion, answer, fields) items, fetched (for `grpo verify`)."""
+        refs, stats = self._dispatch("score_items", list(items))
+        return ray.get(refs), stats
 
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
 
 
-def summarize(stats: Dict[str, float], verifiers: Sequence[str]) -> Dict[str, float]:
-    """Means of the summed stats: reward_mean, reward_std, per-verifier pass rates."""
+def summarize(stats: Mapping[str, float], names: Sequence[str]) -> Dict[str, float]:
+    """Per-step metrics from summed stats: reward mean/std, per-verifier mean score and pass
+    rate, timeouts (per verifier too), errors, restarts."""
     n = max(stats["completions"], 1.0)
     mean = stats["reward_sum"] / n
     out = {
         "reward_mean": mean,
         "reward_std": max(stats["reward_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
         "uniform_groups": stats["uniform_groups"],
+        "reward_timeouts": stats["timeouts"],
+        "reward_errors": stats["errors"],
+        "actor_restarts": stats["actor_restarts"],
+        "scorer_restarts": stats["scorer_restarts"],
     }
-    out.update({f"score/{name}": stats[f"score_sum/{name}"] / n for name in verifiers})
+    for name in dict.fromkeys(names):
+        out[f"score/{name}"] = stats[f"score_sum/{name}"] / n
+        out[f"pass/{name}"] = stats[f"pass_sum/{name}"] / n
+        out[f"reward_timeouts/{name}"] = stats[f"timeouts/{name}"]
     return out

@@ -10,8 +10,9 @@ the repository (cluster/, rollout/, learner/).
   (``math_verify``: ``3/4`` == ``0.75``, ``\\frac{1}{2}`` == ``0.5``, ``1,234`` == ``1234``).
 - ``format_score``: 1.0 iff the completion has the R1 layout
   ``<think>...</think><answer>...</answer>`` and nothing else.
-- ``VERIFIERS`` / ``score_completion``: the registry used by the reward pool and the weighted
-  combination of its scores.
+
+The registry of verifier names (these two, code, language, length, custom ones) is
+reward/registry.py.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from __future__ import annotations
 import math
 import re
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import List, Optional, Tuple
+
+from reward.errors import VerifierTimeout
 
 __all__ = [
     "extract_answer",
     "math_score",
     "format_score",
-    "VERIFIERS",
-    "score_completion",
     "DEFAULT_TIMEOUT_S",
     "MAX_ANSWER_CHARS",
 ]
@@ -166,14 +167,15 @@ def _parse(text: str, timeout: Optional[int]) -> list:
 
 
 def math_score(completion: str, answer: str, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
-               max_answer_chars: int = MAX_ANSWER_CHARS) -> float:
+               max_answer_chars: int = MAX_ANSWER_CHARS, raise_timeout: bool = False) -> float:
     """1.0 iff the extracted answer equals the gold ``answer`` mathematically, else 0.0.
 
     Uses ``math_verify.verify(gold, pred)`` (gold first: the comparison is asymmetric). No
     extractable answer, an over-long one, an unparsable one, or any exception inside
     math_verify gives 0.0. ``timeout_s`` bounds each parse and compare, but only on the main
     thread (math_verify uses signal.alarm); from any other thread the limit is off, so the
-    call cannot raise there, and ``max_answer_chars`` is the only guard.
+    call cannot raise there, and ``max_answer_chars`` is the only guard. With
+    ``raise_timeout`` a timeout raises VerifierTimeout instead of scoring 0 (the pool counts it).
     """
     pred_text = extract_answer(completion)
     if not pred_text or len(pred_text) > max_answer_chars:
@@ -193,7 +195,11 @@ def math_score(completion: str, answer: str, *, timeout_s: Optional[float] = DEF
         if not gold or not pred:
             return 0.0
         ok = math_verify.verify(gold, pred, timeout_seconds=timeout)
-    except (Exception, TimeoutException):
+    except TimeoutException:
+        if raise_timeout:
+            raise VerifierTimeout(f"math-verify ran past {timeout} s") from None
+        return 0.0
+    except Exception:
         return 0.0
     return 1.0 if ok else 0.0
 
@@ -242,51 +248,3 @@ def format_score(completion: str, pattern: Optional[str] = None) -> float:
     if pattern is not None:
         return 1.0 if re.fullmatch(pattern, completion, re.DOTALL) else 0.0
     return 1.0 if _r1_layout(completion) else 0.0
-
-
-# ---------------------------------------------------------------------------- registry
-
-
-def _math_verifier(completion: str, answer: str) -> float:
-    return math_score(completion, answer)
-
-
-def _format_verifier(completion: str, answer: str) -> float:
-    return format_score(completion)
-
-
-VerifierFn = Callable[[str, str], float]
-
-VERIFIERS: Dict[str, VerifierFn] = {
-    "math": _math_verifier,
-    "format": _format_verifier,
-}
-"""Verifier name -> ``fn(completion, answer) -> float`` (module-level functions: picklable)."""
-
-
-def _check_names(names: Iterable[str]) -> None:
-    for name in names:
-        if name not in VERIFIERS:
-            raise ValueError(f"unknown verifier {name!r}; known verifiers: {sorted(VERIFIERS)}")
-
-
-def score_completion(completion: str, answer: str, verifiers: List[str],
-                     weights: Dict[str, float]) -> Tuple[float, Dict[str, float]]:
-    """Run the named verifiers and combine them: ``(sum_k weights[k] * score_k, {k: score_k})``.
-
-    Unknown verifier names raise ValueError (naming it and the known ones), as does a selected
-    verifier without a weight. Weights of verifiers not selected are ignored. A name listed twice
-    is scored and weighted once.
-    """
-    _check_names(verifiers)
-    scores: Dict[str, float] = {}
-    reward = 0.0
-    for name in verifiers:
-        if name in scores:
-            continue
-        if name not in weights:
-            raise ValueError(f"no weight for verifier {name!r} (weights given: {sorted(weights)})")
-        score = float(VERIFIERS[name](completion, answer))
-        scores[name] = score
-        reward += float(weights[name]) * score
-    return reward, scores

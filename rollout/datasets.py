@@ -14,7 +14,7 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:  # typing only: the schema module is light, but keep the import optional
@@ -43,6 +43,8 @@ class Problem:
     answer: str
     solution: Optional[str] = None
     """A target completion for the supervised warm-up, when known."""
+    fields: Dict[str, Any] = field(default_factory=dict, hash=False)
+    """The row's other columns, passed to the verifiers (`tests` for code, `language`, ...)."""
 
 
 class Splits(NamedTuple):
@@ -207,7 +209,8 @@ def _row_problem(row: Any, where: str, prompt_key: str, answer_key: str) -> Prob
         if solution is None:
             raise DataError(f"{where}: field 'solution' is a {type(row['solution']).__name__}, "
                             f"not a string")
-    return Problem(prompt=values[prompt_key], answer=answer, solution=solution)
+    extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "solution")}
+    return Problem(prompt=values[prompt_key], answer=answer, solution=solution, fields=extra)
 
 
 def _read_jsonl(path: str, label: str) -> Iterable[Tuple[str, Any]]:

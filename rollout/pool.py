@@ -28,9 +28,9 @@ class RolloutPool:
             positions = list(range(w, len(batch), num))
             if not positions:
                 continue
-            prompts = [(batch[i][0], batch[i][1].prompt, batch[i][1].answer) for i in positions]
+            prompts = [(batch[i][0], batch[i][1].prompt, batch[i][1].answer, batch[i][1].fields) for i in positions]
             # A seed per (step, prompt): reruns reproduce, and no two prompts share a stream.
-            seeds = [hash((seed, index)) % (2**31) for index, _, _ in prompts]
+            seeds = [hash((seed, p[0])) % (2**31) for p in prompts]
             calls.append((positions, worker.generate.remote(prompts, n, greedy, seeds)))
         refs: List[ray.ObjectRef] = [None] * len(batch)  # type: ignore[list-item]
         for positions, call in calls:

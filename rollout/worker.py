@@ -37,9 +37,10 @@ class GenerationWorker:
     def ready(self) -> int:
         return self.policy_version
 
-    def generate(self, prompts: Sequence[Tuple[int, str, str]], n: int, greedy: bool,
+    def generate(self, prompts: Sequence[Tuple[int, str, str, dict]], n: int, greedy: bool,
                  seeds: Sequence[int]) -> List[ray.ObjectRef]:
-        """Sample `n` completions for each (index, prompt, answer); one seed per prompt makes it reproducible."""
+        """Sample `n` completions for each (index, prompt, answer, row fields); one seed per prompt
+        makes it reproducible."""
         from vllm import SamplingParams
 
         params = [
@@ -52,13 +53,14 @@ class GenerationWorker:
             )
             for seed in seeds
         ]
-        outputs = self.llm.generate([p for _, p, _ in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
         refs = []
-        for (index, prompt, answer), out in zip(prompts, outputs):
+        for (index, prompt, answer, fields), out in zip(prompts, outputs):
             group = PromptGroup(
                 index=index,
                 prompt=prompt,
                 answer=answer,
+                fields=fields,
                 prompt_ids=list(out.prompt_token_ids),
                 completions=[c.text for c in out.outputs],
                 completion_ids=[list(c.token_ids) for c in out.outputs],

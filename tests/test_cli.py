@@ -105,3 +105,67 @@ def test_few_step_run_writes_every_artifact(model_cache, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final_model")
     ids = tokenizer("12+34=", return_tensors="pt")["input_ids"]
     assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+
+# ---------------------------------------------------------------- grpo verify
+
+def _rows(path: Path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_verify_scores_a_file_and_keeps_every_field(tmp_path):
+    rows = [
+        {"prompt": "2+2=", "completion": "<think>2+2</think><answer>4</answer>", "answer": "4", "id": 1},
+        {"prompt": "2+2=", "completion": "<answer>5</answer>", "answer": 4, "id": 2},
+        {"prompt": "f", "completion": "```python\ndef f():\n    return 1\n```", "answer": "",
+         "tests": "assert f() == 1", "id": 3},
+        {"prompt": "f", "completion": "```python\nwhile True:\n    pass\n```", "answer": "",
+         "tests": "assert f() == 1", "id": 4},
+    ]
+    out = tmp_path / "scores.jsonl"
+    result = run(GRPO, "verify", "--verifiers", "math,format,code", "--input", _rows(tmp_path / "in.jsonl", rows),
+                 "--output", str(out), "reward.timeout_s=2", "reward.num_workers=1", "ray.num_cpus=2")
+    assert result.returncode == 0, result.stderr
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [s["id"] for s in scored] == [1, 2, 3, 4]
+    assert scored[0]["scores"] == {"math": 1.0, "format": 1.0, "code": 0.0}
+    assert scored[0]["reward"] == pytest.approx(1.1)  # training weights: math 1, format 0.1, code 1
+    assert scored[1]["scores"]["math"] == 0.0 and scored[1]["answer"] == 4
+    assert scored[2]["scores"]["code"] == 1.0 and scored[2]["reward"] == pytest.approx(1.0)
+    assert scored[3]["timed_out"] == ["code"] and scored[3]["scores"]["code"] == 0.0
+    assert all(s["timed_out"] == [] for s in scored[:3])
+    summary = result.stdout
+    assert "verifier" in summary and "pass rate" in summary
+    code_line = next(line for line in summary.splitlines() if line.startswith("code"))
+    assert code_line.split()[-1] == "1"  # one timeout
+    assert "4 rows" in summary
+
+
+@pytest.mark.parametrize("rows, args, message", [
+    (None, [], "no such file"),
+    (['{"prompt": "a", "completion": "b", "answer": "1"}', '{"prompt": "a", '], [], "line 2: malformed JSON"),
+    ([{"prompt": "a", "answer": "1"}], [], "line 1: no 'completion' field"),
+    ([{"prompt": "a", "completion": "b"}], [], "line 1: no 'answer' field"),
+    ([{"prompt": "a", "completion": ["b"], "answer": "1"}], [], "line 1: field 'completion' is a list"),
+    ([["a", "b"]], [], "line 1: expected a JSON object"),
+    ([{"prompt": "a", "completion": "b", "answer": "1", "reward": 1}], [], "field 'reward' is an output field"),
+    ([{"prompt": "a", "completion": "b"}], ["--verifiers", "code"], "no row has a 'tests' field"),
+    ([{"prompt": "a", "completion": "b", "answer": "1"}], ["--verifiers", "math,nope"], "unknown verifier 'nope'"),
+    ([{"prompt": "a", "completion": "b", "answer": "1"}], ["reward.timeout_s=-1"], "reward.timeout_s"),
+    ([], [], "no rows"),
+])
+def test_verify_bad_input_exits_2_with_one_line(tmp_path, rows, args, message):
+    path = str(tmp_path / "missing.jsonl") if rows is None else _rows(tmp_path / "in.jsonl", rows)
+    verifiers = [] if "--verifiers" in args else ["--verifiers", "math,format"]
+    result = run(GRPO, "verify", *verifiers, "--input", path, "--output", str(tmp_path / "out.jsonl"), *args)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_verify_rejects_a_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a", "completion": "\xff\xfe", "answer": "1"}\n')
+    result = run(GRPO, "verify", "--verifiers", "math", "--input", str(path), "--output", str(tmp_path / "o.jsonl"))
+    assert result.returncode == 2 and "line 1: not UTF-8" in result.stderr

@@ -146,3 +146,22 @@ def test_adding_unknown_schema_key_is_an_error():
     message = config_error("+trainer.max_step=3")
     assert "trainer.max_step" in message
     assert "trainer.max_steps" in message  # the nearest valid key
+
+
+def test_custom_verifier_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "team_rewards.py").write_text("def short(prompts, completions, **kw):\n"
+                                              "    return [float(len(c) < 50) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["+reward.custom.short=team_rewards:short", "reward.verifiers=[math,short]",
+                       "+reward.weights.short=0.5"])
+    assert cfg.reward.custom == {"short": "team_rewards:short"}
+    message = config_error("+reward.custom.short=team_rewards:long", "reward.verifiers=[math,short]",
+                           "+reward.weights.short=0.5")
+    assert "reward.custom.short" in message and "no function 'long'" in message
+
+
+def test_reward_settings_are_checked_before_anything_starts():
+    assert "reward.timeout_s must be positive" in config_error("reward.timeout_s=0")
+    assert "reward.language" in config_error("reward.language=klingon")
+    assert "format_pattern" in config_error("reward.format_pattern=(")
+    assert "unknown verifier 'nope'" in config_error("reward.verifiers=[math,nope]", "+reward.weights.nope=1")

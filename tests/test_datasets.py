@@ -136,7 +136,7 @@ def test_jsonl_loading_and_split(tmp_path):
     assert len(heldout) == 4 and len(train) == 46
     by_prompt = {p.prompt: p for p in heldout + train}
     assert set(by_prompt) == {f"q{i}" for i in range(50)}
-    assert by_prompt["q3"] == Problem("q3", "3", None)
+    assert by_prompt["q3"] == Problem("q3", "3", None, fields={"extra": [1]})  # other columns ride along
     assert by_prompt["q7"].solution == "<think>x</think><answer>7</answer>"
     assert load_problems(data_cfg(path=str(path), heldout_size=4), seed=0) == (heldout, train)
     assert load_problems(data_cfg(path=str(path), heldout_size=4), seed=1) != (heldout, train)

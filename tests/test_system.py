@@ -58,7 +58,7 @@ def test_synced_worker_matches_fresh_engine_from_saved_weights(roles, system_cfg
     folder = roles.learner.save_pretrained(str(tmp_path / "saved"))
 
     fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, _rollout_cfg(system_cfg), 123)
-    prompts = [(i, f"{a}+{b}=", str(a + b)) for i, (a, b) in enumerate([(47, 85), (12, 34), (99, 99), (50, 7)])]
+    prompts = [(i, f"{a}+{b}=", str(a + b), {}) for i, (a, b) in enumerate([(47, 85), (12, 34), (99, 99), (50, 7)])]
     seeds = [0] * len(prompts)
     synced_refs = ray.get(roles.rollout.workers[0].generate.remote(prompts, 1, True, seeds))
     fresh_refs = ray.get(fresh.generate.remote(prompts, 1, True, seeds))

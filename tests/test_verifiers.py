@@ -3,13 +3,8 @@ import threading
 
 import pytest
 
-from reward.verifiers import (
-    VERIFIERS,
-    extract_answer,
-    format_score,
-    math_score,
-    score_completion,
-)
+from reward.registry import VerifierSettings, build_verifiers, check_settings, combine
+from reward.verifiers import extract_answer, format_score, math_score
 
 GOOD = "<think>7+5+0=12,4+8+1=13</think><answer>132</answer>"
 
@@ -153,6 +148,12 @@ def test_huge_completion_returns():
     assert extract_answer("{" * 500_000 + r"\boxed{1}" + "}" * 500_000) == "1"
 
 
+def score_completion(completion, answer, verifiers, weights, **settings):
+    calls = build_verifiers(VerifierSettings(verifiers=verifiers, weights=weights, **settings))
+    scores = {name: call("prompt", completion, answer, {}) for name, call in calls.items()}
+    return combine(scores, weights), scores
+
+
 def test_empty_completion_scores_zero_everywhere():
     assert math_score("", "132") == 0.0
     assert format_score("") == 0.0
@@ -161,12 +162,6 @@ def test_empty_completion_scores_zero_everywhere():
 
 
 # ---------------------------------------------------------------- registry and weighting
-
-def test_registry_signatures():
-    assert set(VERIFIERS) >= {"math", "format"}
-    assert VERIFIERS["math"](GOOD, "132") == 1.0
-    assert VERIFIERS["format"](GOOD, "ignored") == 1.0
-
 
 def test_score_completion_weighting():
     w = {"math": 1.0, "format": 0.1}
@@ -183,8 +178,55 @@ def test_score_completion_weighting():
     assert scores == {"format": 1.0} and reward == pytest.approx(0.5)
 
 
-def test_unknown_verifier_and_missing_weight_raise():
-    with pytest.raises(ValueError, match=r"'nope'.*'format'.*'math'"):
-        score_completion(GOOD, "132", ["math", "nope"], {"math": 1.0, "nope": 1.0})
-    with pytest.raises(ValueError, match="format"):
-        score_completion(GOOD, "132", ["math", "format"], {"math": 1.0})
+def test_format_pattern_replaces_the_r1_layout():
+    reward, scores = score_completion("Answer: 4", "4", ["format"], {"format": 1.0},
+                                      format_pattern=r"Answer: \d+")
+    assert scores == {"format": 1.0}
+    assert score_completion(GOOD, "4", ["format"], {"format": 1.0}, format_pattern=r"Answer: \d+")[0] == 0.0
+
+
+def _check(**kw):
+    base = dict(verifiers=["math", "format"], weights={"math": 1.0, "format": 0.1})
+    check_settings(VerifierSettings(**{**base, **kw}))
+
+
+def test_unknown_verifier_missing_weight_and_bad_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"unknown verifier 'nope'.*math, format, code.*reward.custom.nope"):
+        _check(verifiers=["math", "nope"], weights={"math": 1.0, "nope": 1.0})
+    with pytest.raises(ValueError, match=r"no weight for verifier 'format'.*\+reward.weights.format=1.0"):
+        _check(weights={"math": 1.0})
+    with pytest.raises(ValueError, match="reward.format_pattern is not a valid regular expression"):
+        _check(format_pattern="(unclosed")
+    with pytest.raises(ValueError, match="reward.language: unknown language or script 'klingon'"):
+        _check(language="klingon")
+    with pytest.raises(ValueError, match="reward.timeout_s must be positive"):
+        _check(timeout_s=0)
+    with pytest.raises(ValueError, match="reward.length_budget"):
+        _check(verifiers=["length"], weights={"length": 1.0}, length_budget=0)
+
+
+def test_custom_verifier_by_import_path(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(prompts, completions, answer, **fields):\n"
+        "    return [1.0 if len(c) < 10 and fields['level'][0] == 'easy' else 0.0 for c in completions]\n"
+        "def nothing(prompts, completions, **kw):\n"
+        "    return [None for _ in completions]\n")
+    custom = {"brevity": "my_rewards:brevity", "nothing": "my_rewards:nothing"}
+    settings = VerifierSettings(verifiers=["brevity", "nothing"], weights={"brevity": 2.0, "nothing": 1.0},
+                                custom=custom, search_path=[str(tmp_path)])
+    check_settings(settings)
+    calls = build_verifiers(settings)
+    assert calls["brevity"]("p", "short", "a", {"level": "easy"}) == 1.0
+    assert calls["brevity"]("p", "a longer completion", "a", {"level": "easy"}) == 0.0
+    assert calls["nothing"]("p", "x", "a", {}) == 0.0  # None: not applicable, counts 0
+    for path, message in [("my_rewards", "not of the form module:function"),
+                          ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+                          ("my_rewards:missing", "'my_rewards' has no function 'missing'")]:
+        bad = VerifierSettings(verifiers=["x"], weights={"x": 1.0}, custom={"x": path},
+                               search_path=[str(tmp_path)])
+        with pytest.raises(ValueError, match=f"reward.custom.x: .*{message}"):
+            check_settings(bad)
+    shadow = VerifierSettings(verifiers=["math"], weights={"math": 1.0}, custom={"math": "my_rewards:brevity"},
+                              search_path=[str(tmp_path)])
+    with pytest.raises(ValueError, match="built-in"):
+        check_settings(shadow)

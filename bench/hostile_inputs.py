@@ -1,0 +1,61 @@
+"""Time each hostile input of tests/hostile_cases.py through a real verifier pool, one call each,
+against the bound the pool promises: `reward.timeout_s` + 1 s.
+
+    .venv/bin/python bench/hostile_inputs.py [--timeout-s 2]
+
+Prints a Markdown table: case, attacked verifier, score, timed out, seconds, within the bound.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from hostile_cases import BUILTIN, CUSTOM, cases  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--timeout-s", type=float, default=2.0)
+    args = parser.parse_args()
+    import ray
+
+    from reward.pool import VerifierPool
+    from reward.registry import VerifierSettings
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    pools = {"builtin": VerifierPool(VerifierSettings(**BUILTIN, timeout_s=args.timeout_s), 1, 0.5),
+             "custom": VerifierPool(VerifierSettings(**CUSTOM, timeout_s=args.timeout_s), 1, 0.5)}
+    for pool in pools.values():
+        pool.ready()
+    bound = args.timeout_s + 1.0
+    lines = ["| case | verifier | score | timed out | seconds | within timeout_s + 1 s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    worst = 0.0
+    for case in cases(server.getsockname()[1], uuid.uuid4().hex[:12]):
+        pool = pools[case.pool]
+        pool.score_items([("p", *case.control)])  # the process is warm and ready before timing
+        start = time.perf_counter()
+        (outcome,), _ = pool.score_items([("p", case.completion, case.answer, case.fields)])
+        seconds = time.perf_counter() - start
+        worst = max(worst, seconds)
+        timed_out = case.verifier in outcome.timed_out
+        lines.append(f"| {case.name} | {case.verifier} | {outcome.scores[case.verifier]:g} | "
+                     f"{'yes' if timed_out else 'no'} | {seconds:.2f} | {'yes' if seconds <= bound else 'NO'} |")
+    ray.shutdown()
+    print(f"reward.timeout_s = {args.timeout_s:g}; bound {bound:g} s; slowest case {worst:.2f} s\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

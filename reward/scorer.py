@@ -1,0 +1,210 @@
+"""A killable child process that runs verifier calls, each under a hard wall-clock limit.
+
+math-verify's own timeouts use signal.alarm (main thread only) and a custom verifier or a
+regex can spin forever in C code where no signal reaches it; the only limit that always holds
+is killing the process. So each verifier actor owns one child process (`python -m
+reward.scorer`, started once and kept warm) and streams it calls; a call that is not answered
+within `timeout_s` scores 0, is counted as a timeout, and its process is killed (with its
+process group) and replaced, after which the remaining calls are sent again.
+
+Messages are pickles over two pipes (multiprocessing.connection): parent -> child
+``("score", items, calls)``; child -> parent one ``(item, name, score, status)`` per call, in
+order, with status ``ok``, ``timeout`` (the verifier gave up itself, e.g. the code sandbox) or
+``error`` (it raised; scored 0).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+from reward.registry import VerifierSettings, combine
+
+__all__ = ["Item", "Outcome", "Scorer"]
+
+Item = Tuple[str, str, str, Mapping[str, Any]]
+"""(prompt, completion, answer, other row fields)."""
+
+STARTUP_TIMEOUT_S = 120.0
+"""Importing math-verify (sympy) and custom verifier modules; far above the usual 1-2 s."""
+
+
+@dataclass
+class Outcome:
+    """One completion's scores."""
+    scores: Dict[str, float] = field(default_factory=dict)
+    reward: float = 0.0
+    timed_out: List[str] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)
+
+
+class Scorer:
+    def __init__(self, settings: VerifierSettings):
+        self.settings = settings
+        self.names = list(dict.fromkeys(settings.verifiers))
+        self.restarts = 0
+        """Child processes started after the first (each after a timeout or a crash)."""
+        self._proc: subprocess.Popen = None  # type: ignore[assignment]
+        self._start()
+        self._await_ready()
+
+    # ------------------------------------------------------------------ process
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _start(self) -> None:
+        """Spawn the child and send it the settings; do not wait (see _await_ready)."""
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        cmd = [sys.executable, "-m", "reward.scorer", str(down_r), str(up_w), str(os.getpid())]
+        self._proc = subprocess.Popen(cmd, pass_fds=(down_r, up_w), start_new_session=True)
+        os.close(down_r)
+        os.close(up_w)
+        self._send_conn = Connection(down_w, readable=False)
+        self._recv_conn = Connection(up_r, writable=False)
+        self._send_conn.send(("init", self.settings))
+        self._ready = False
+
+    def _await_ready(self) -> None:
+        """Wait for the child's imports. A replacement started after a timeout imports while
+        the caller goes on, so the completion that timed out does not also pay for it."""
+        if self._ready:
+            return
+        if not self._recv_conn.poll(STARTUP_TIMEOUT_S):
+            self._kill()
+            raise RuntimeError(f"the verifier process did not start within {STARTUP_TIMEOUT_S:g} s")
+        try:
+            kind, detail = self._recv_conn.recv()
+        except EOFError:
+            kind, detail = "failed", f"exit status {self._proc.wait()}"
+        if kind != "ready":
+            self._kill()
+            raise RuntimeError(f"the verifier process failed to start: {detail}")
+        self._ready = True
+
+    def _kill(self) -> None:
+        for conn in (getattr(self, "_send_conn", None), getattr(self, "_recv_conn", None)):
+            if conn is not None:
+                conn.close()
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+
+    def _restart(self) -> None:
+        self._kill()
+        self.restarts += 1
+        self._start()
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._kill()
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, items: Sequence[Item]) -> List[Outcome]:
+        """Every selected verifier on every item: exactly one Outcome per item, in order."""
+        items = list(items)
+        calls = [(i, name) for i in range(len(items)) for name in self.names]
+        outcomes = [Outcome() for _ in items]
+
+        def record(i: int, name: str, score: float, status: str) -> None:
+            outcomes[i].scores[name] = score
+            if status == "timeout":
+                outcomes[i].timed_out.append(name)
+            elif status == "error":
+                outcomes[i].errors.append(name)
+
+        pos, crashed = 0, set()
+        while pos < len(calls):
+            self._await_ready()
+            try:
+                self._send_conn.send(("score", items, calls[pos:]))
+            except OSError:  # the child died between batches
+                self._restart()
+                continue
+            while pos < len(calls):
+                i, name = calls[pos]
+                if not self._recv_conn.poll(self.settings.timeout_s):
+                    record(i, name, 0.0, "timeout")
+                    pos += 1
+                    self._restart()
+                    break
+                try:
+                    got_i, got_name, score, status = self._recv_conn.recv()
+                except (EOFError, OSError):
+                    # The process died inside this call: killed from outside (the OOM killer),
+                    # or the completion crashes the verifier (a segfault in C code). Try the call
+                    # once more in a new process; a second crash scores it 0 as an error.
+                    if pos in crashed:
+                        record(i, name, 0.0, "error")
+                        pos += 1
+                    else:
+                        crashed.add(pos)
+                    self._restart()
+                    break
+                assert (got_i, got_name) == (i, name), "verifier process answered out of order"
+                record(i, name, score, status)
+                pos += 1
+        for outcome in outcomes:
+            outcome.reward = combine(outcome.scores, self.settings.weights)
+        return outcomes
+
+
+# ---------------------------------------------------------------------- child process
+
+
+def _score_one(call, item: Item) -> Tuple[float, str]:
+    from reward.errors import VerifierTimeout
+
+    prompt, completion, answer, fields = item
+    try:
+        score = float(call(prompt, completion, answer, fields))
+    except VerifierTimeout:
+        return 0.0, "timeout"
+    except BaseException:  # a custom verifier's sys.exit or bug must not end the process
+        return 0.0, "error"
+    if not math.isfinite(score):
+        return 0.0, "error"
+    return score, "ok"
+
+
+def _child_main(down_fd: int, up_fd: int, parent_pid: int) -> None:
+    import ctypes
+
+    # Die with the verifier actor: a scorer must never outlive the one that owns it.
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        return
+    recv_conn = Connection(down_fd, writable=False)
+    send_conn = Connection(up_fd, readable=False)
+    _, settings = recv_conn.recv()
+    try:
+        from reward.registry import build_verifiers
+
+        verifiers = build_verifiers(settings)
+        import math_verify  # noqa: F401  (warm: the first math call should not pay the import)
+    except BaseException as exc:
+        send_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    send_conn.send(("ready", None))
+    while True:
+        try:
+            _, items, calls = recv_conn.recv()
+        except EOFError:
+            return
+        for i, name in calls:
+            score, status = _score_one(verifiers[name], items[i])
+            send_conn.send((i, name, score, status))
+
+
+if __name__ == "__main__":
+    _child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
