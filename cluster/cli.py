@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -24,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--input", required=True, help="JSONL rows {prompt, completion, answer[, tests]}")
     verify.add_argument("--output", required=True, help="JSONL: each input row plus scores, reward, timed_out")
     verify.add_argument("overrides", nargs="*", help="reward.* settings, e.g. reward.timeout_s=2")
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder")
+    export.add_argument("checkpoint", help="a runs/<name>/checkpoints/step-N folder")
+    export.add_argument("folder", help="where to write config.json, model.safetensors and the tokenizer")
     return parser
 
 
@@ -36,6 +40,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from cluster.compose import ConfigError, compose_config, load_config
 
+    if args.command == "export":
+        from cluster.checkpoint import export_checkpoint
+
+        if os.path.exists(args.folder) and os.listdir(args.folder):
+            return _fail(f"'{args.folder}' exists and is not empty; pick a new folder")
+        try:
+            print(export_checkpoint(args.checkpoint, args.folder))
+        except ValueError as exc:
+            return _fail(str(exc))
+        return 0
     try:
         if args.command == "verify":
             from cluster.verify import VerifyInputError, verify

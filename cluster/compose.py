@@ -162,6 +162,16 @@ def validate(cfg: Config) -> None:
     _at_least("data.heldout_size", cfg.data.heldout_size, 1)
     _at_least("warmup.check_every", cfg.warmup.check_every, 1)
     _at_least("warmup.probe_size", cfg.warmup.probe_size, 1)
+    _at_least("trainer.save_every", cfg.trainer.save_every, 0)
+    _at_least("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 0)
+    if cfg.trainer.resume == "auto" and not cfg.trainer.run_name:
+        raise ConfigError("trainer.resume=auto needs trainer.run_name: the name of the run to continue")
+    if cfg.trainer.resume not in (None, "auto"):
+        from cluster.checkpoint import STATE_FILE
+
+        if not (Path(cfg.trainer.resume).expanduser() / STATE_FILE).is_file():
+            raise ConfigError(f"trainer.resume: '{cfg.trainer.resume}' is not a complete checkpoint "
+                              f"(no {STATE_FILE}); use auto or a checkpoints/step-N folder")
     _check_verifiers(cfg)
     # Groups are the unit that learner ranks split: advantages need a whole group on one rank.
     groups_per_rank, rest = divmod(cfg.trainer.prompts_per_step, cfg.learner.num_ranks)

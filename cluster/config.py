@@ -206,6 +206,13 @@ class TrainerConfig:
     """Greedy held-out accuracy every N steps, as `heldout_accuracy` (0: only before and after GRPO)."""
     progress: bool = True
     """Show the terminal progress bar."""
+    save_every: int = 0
+    """Write a checkpoint every N GRPO steps and at the last one (0: never)."""
+    keep_checkpoints: int = 2
+    """Newest complete checkpoints kept (0: all)."""
+    resume: Optional[str] = None
+    """`auto`: continue trainer.run_name from its newest complete checkpoint (start fresh if it
+    has none); a checkpoint folder: continue from that one; None: a fresh run."""
 
 
 @dataclass

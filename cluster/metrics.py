@@ -3,34 +3,43 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 # Shown in the progress bar, in this order.
 BAR_KEYS = {"reward_mean": "reward", "accuracy": "acc", "kl": "kl"}
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, config: dict, total_steps: int, logger_cfg, progress: bool):
+    def __init__(self, run_dir: Path, config: dict, total_steps: int, logger_cfg, progress: bool,
+                 resume_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        self.path.write_text("")
-        self.rows: List[Dict[str, float]] = []
+        # A resumed run keeps the lines up to its checkpoint and writes the rest again.
+        kept = []
+        if resume_step > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
         self.wandb_run = None
         if logger_cfg.backend == "wandb":
             import wandb
 
             os.environ.setdefault("WANDB_MODE", logger_cfg.mode)
             os.environ.setdefault("WANDB_SILENT", "true")
+            # One wandb run per run folder: a resumed job continues it (its id is kept here).
+            id_file = run_dir / "wandb_id"
+            if not id_file.exists():
+                id_file.write_text(uuid.uuid4().hex[:12])
             self.wandb_run = wandb.init(project=logger_cfg.project, name=run_dir.name, config=config,
-                                        dir=str(run_dir))
+                                        dir=str(run_dir), id=id_file.read_text().strip(), resume="allow")
         self.bar = None
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def log(self, row: Dict[str, float]) -> None:
-        self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:

@@ -43,6 +43,7 @@ def train(cfg: Config) -> Dict[str, object]:
     import ray
 
     from cluster.buffer import RolloutBuffer
+    from cluster.checkpoint import save_checkpoint
     from cluster.metrics import MetricsLogger
     from cluster.ray_utils import init_ray
     from rollout.datasets import PromptSampler, load_problems
@@ -51,24 +52,37 @@ def train(cfg: Config) -> Dict[str, object]:
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
     check_inputs(cfg, train_set)
     cfg.model.path = resolve_model(cfg)
+    resume_from = find_resume_point(cfg)
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
     check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
     run_dir = make_run_dir(cfg)
     roles = start_roles(cfg)
     say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
         f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks", started)
-    version = warm_up(roles, cfg, train_set)
-    accuracy_before = evaluate(roles, heldout)
-    say(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", started)
 
     sampler, buffer = PromptSampler(train_set, cfg.trainer.seed), RolloutBuffer()
-    logger = MetricsLogger(run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress)
-    for step in range(1, cfg.trainer.max_steps + 1):
+    if resume_from is None:
+        first_step, version = 1, warm_up(roles, cfg, train_set)
+        accuracy_before = evaluate(roles, heldout)
+        say(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", started)
+    else:
+        state = resume(roles, resume_from, sampler)
+        first_step, version, accuracy_before = state["step"] + 1, state["policy_version"], state["accuracy_before"]
+        say(f"resumed from {resume_from} (step {state['step']}, policy version {version})", started)
+    logger = MetricsLogger(run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress,
+                           resume_step=first_step - 1)
+    for step in range(first_step, cfg.trainer.max_steps + 1):
         row = grpo_step(step, version, roles, sampler, buffer, cfg)
         version = row["policy_version"]
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             row["heldout_accuracy"] = evaluate(roles, heldout)
         logger.log(row)
+        if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.max_steps):
+            save_checkpoint(run_dir, step, roles.learner, {
+                "step": step, "policy_version": version, "sampler": sampler.state_dict(),
+                "accuracy_before": accuracy_before, "seed": cfg.trainer.seed,
+            }, cfg.trainer.keep_checkpoints)
+        _injected_fault(step)
 
     accuracy_after = evaluate(roles, heldout)
     say(f"held-out greedy accuracy after GRPO: {accuracy_after:.1%}", started)
@@ -173,6 +187,43 @@ def warm_up(roles: Roles, cfg: Config, train_set) -> int:
     return version
 
 
+def find_resume_point(cfg: Config) -> Optional[Path]:
+    """The checkpoint `trainer.resume` names (None: start fresh)."""
+    from cluster.checkpoint import latest_checkpoint
+
+    if cfg.trainer.resume is None:
+        return None
+    if cfg.trainer.resume != "auto":
+        return Path(cfg.trainer.resume).expanduser()
+    run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        say(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting from the beginning")
+    return found
+
+
+def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
+    """Learner state, prompt position and RNGs from `checkpoint`; the generation workers get
+    the restored weights (and its policy version) before they generate anything."""
+    from cluster.checkpoint import load_trainer_state, restore_driver_rng
+
+    state = load_trainer_state(checkpoint)
+    roles.learner.call("load_checkpoint", str(checkpoint))
+    sampler.load_state_dict(state["sampler"])
+    restore_driver_rng(state["rng"])
+    roles.channel.push(state["policy_version"])
+    return state
+
+
+def _injected_fault(step: int) -> None:
+    """Fault injection for the resume tests: GRPO_KILL_AFTER_STEP=k kills this process (SIGKILL,
+    as a node loss would) once step k is logged and checkpointed."""
+    if os.environ.get("GRPO_KILL_AFTER_STEP") == str(step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def evaluate(roles: Roles, problems) -> float:
     """Greedy accuracy on `problems` through the vLLM actors and the verifier pool."""
     from rollout.pool import as_batch
@@ -265,7 +316,7 @@ def make_run_dir(cfg: Config) -> Path:
     if not cfg.trainer.run_name:
         cfg.trainer.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / "metrics.jsonl").exists() and cfg.trainer.resume is None:
         # Never overwrite what a finished or running job produced.
         raise ConfigError(f"trainer.run_name: '{run_dir}' already holds a run; pick another name")
     run_dir.mkdir(parents=True, exist_ok=True)

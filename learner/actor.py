@@ -256,6 +256,51 @@ class LearnerRank:
                 return folder
         return None
 
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self, folder: str) -> None:
+        """Every rank writes its DeepSpeed shard and its RNG; rank 0 also the frozen reference
+        and the model's config and tokenizer (see cluster/checkpoint.py for the layout)."""
+        learner_dir = os.path.join(folder, "learner")
+        self.engine.save_checkpoint(learner_dir, tag="ds")
+        torch.save(self._rng_state(), os.path.join(learner_dir, f"rng_rank{self.rank}.pt"))
+        if self.rank == 0:
+            if self.ref_model is not None:
+                torch.save(self.ref_model.state_dict(), os.path.join(folder, "reference.pt"))
+            self.engine.module.config.save_pretrained(os.path.join(folder, "model"))
+            self.tokenizer.save_pretrained(os.path.join(folder, "model"))
+
+    def load_checkpoint(self, folder: str) -> None:
+        """Restore what save_checkpoint wrote: weights, optimizer, RNG, the reference model."""
+        learner_dir = os.path.join(folder, "learner")
+        path, _ = self.engine.load_checkpoint(learner_dir, tag="ds", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint in {learner_dir}")
+        self._set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False))
+        if self.algo["beta"] > 0:
+            from transformers import AutoModelForCausalLM
+
+            ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=self.dtype)
+            ref.load_state_dict(torch.load(os.path.join(folder, "reference.pt"), map_location="cpu"))
+            self.ref_model = ref.to(self.device).eval().requires_grad_(False)
+
+    def _rng_state(self) -> dict:
+        import numpy as np
+
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if self.on_gpu:
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def _set_rng_state(self, state: dict) -> None:
+        import numpy as np
+
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if self.on_gpu and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
+
     def state_copy(self) -> Dict[str, "object"]:
         """Full parameters on CPU (for tests)."""
         with self._full_state():

@@ -39,6 +39,10 @@ class LearnerGroup:
         results = ray.get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)])
         return {k: sum(m[k] for m in results) / len(results) for k in results[0]}
 
+    def save_checkpoint(self, folder: str) -> None:
+        """Every rank writes its part of the checkpoint (DeepSpeed saving is collective)."""
+        self.call("save_checkpoint", folder)
+
     def save_pretrained(self, folder: str) -> str:
         return self.call("save_pretrained", folder)[0]
 

@@ -165,3 +165,25 @@ def test_reward_settings_are_checked_before_anything_starts():
     assert "reward.language" in config_error("reward.language=klingon")
     assert "format_pattern" in config_error("reward.format_pattern=(")
     assert "unknown verifier 'nope'" in config_error("reward.verifiers=[math,nope]", "+reward.weights.nope=1")
+
+
+def test_resume_settings_are_checked_before_anything_starts(tmp_path):
+    assert "trainer.run_name" in config_error("trainer.resume=auto")
+    message = config_error(f"trainer.resume={tmp_path}")
+    assert "not a complete checkpoint" in message and "trainer_state.json" in message
+    assert "trainer.save_every" in config_error("trainer.save_every=-1")
+    cfg = load_config(["trainer.resume=auto", "trainer.run_name=mine", "trainer.save_every=10"])
+    assert cfg.trainer.resume == "auto" and cfg.trainer.save_every == 10
+
+
+def test_half_written_and_incomplete_checkpoints_are_never_picked(tmp_path):
+    from cluster.checkpoint import STATE_FILE, latest_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    assert latest_checkpoint(tmp_path) is None
+    for name, complete in [("step-000002", True), ("step-000010", True), (".tmp-step-000020", True),
+                           ("step-000030", False), ("step-10", True), ("notes", True)]:
+        (folder / name).mkdir(parents=True)
+        if complete:
+            (folder / name / STATE_FILE).write_text("{}")
+    assert latest_checkpoint(tmp_path) == folder / "step-000010"

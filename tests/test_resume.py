@@ -1,0 +1,97 @@
+"""Checkpoint and resume, exactly: a run killed after k steps and resumed matches a straight run.
+
+Three real `grpo train` processes (each its own Ray, vLLM, DeepSpeed): straight to N=4 steps;
+the same run killed with SIGKILL right after step 2 (which ends an epoch of the 16 training
+prompts, 8 per step) is checkpointed; then `trainer.resume=auto` continues it to 4. Every
+metrics.jsonl line must be equal except wall-clock timings, and so must the final weights.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cluster.checkpoint import complete_checkpoints
+from conftest import small_overrides
+from test_cli import GRPO, run
+
+STEPS = 4
+KILL_AFTER = 2  # 16 training prompts, 8 per step: step 2 ends the first epoch
+TIMING = ("time_", "learner_seconds", "sync_seconds", "sync_gbps", "sync_load_seconds")
+
+
+def _args(model_cache, out, name, *extra):
+    return small_overrides(model_cache, str(out)) + [
+        f"trainer.run_name={name}", f"trainer.max_steps={STEPS}", "trainer.save_every=1",
+        "trainer.keep_checkpoints=2", "data.num_train=16", "warmup.batch_size=16", "trainer.eval_every=2",
+        "rollout.num_workers=1", *extra]
+
+
+def _metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in rows]
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(model_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    straight = run(GRPO, "train", *_args(model_cache, out, "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    killed = run(GRPO, "train", *_args(model_cache, out, "resumed"), env={"GRPO_KILL_AFTER_STEP": str(KILL_AFTER)})
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
+    checkpoints = out / "resumed" / "checkpoints"
+    assert [p.name for p in complete_checkpoints(out / "resumed")] == ["step-000001", "step-000002"]
+    assert len(_metrics(out / "resumed")) == KILL_AFTER
+    # A half-written checkpoint and one without its trainer state must never be picked.
+    (checkpoints / ".tmp-step-000003" / "learner").mkdir(parents=True)
+    shutil.copytree(checkpoints / f"step-{KILL_AFTER:06d}", checkpoints / "step-000005")
+    (checkpoints / "step-000005" / "trainer_state.json").unlink()
+
+    resumed = run(GRPO, "train", *_args(model_cache, out, "resumed", "trainer.resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out, killed, resumed
+
+
+def test_resumed_run_matches_the_straight_run_line_for_line(runs):
+    out, _, resumed = runs
+    assert f"resumed from {out / 'resumed' / 'checkpoints' / f'step-{KILL_AFTER:06d}'}" in resumed.stdout
+    straight, again = _metrics(out / "straight"), _metrics(out / "resumed")
+    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+    assert again == straight
+    assert json.loads((out / "resumed" / "summary.json").read_text())["heldout_accuracy_after"] == \
+        json.loads((out / "straight" / "summary.json").read_text())["heldout_accuracy_after"]
+    a, b = _weights(out / "straight" / "final_model"), _weights(out / "resumed" / "final_model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_only_the_newest_complete_checkpoints_are_kept_and_no_tmp_is_left(runs):
+    out, _, _ = runs
+    assert [p.name for p in complete_checkpoints(out / "resumed")] == ["step-000003", "step-000004"]
+    assert not list((out / "resumed" / "checkpoints").glob(".tmp-*"))
+
+
+def test_export_writes_a_folder_transformers_loads_with_the_trained_weights(runs, tmp_path):
+    out, _, _ = runs
+    target = tmp_path / "exported"
+    result = run(GRPO, "export", str(out / "resumed" / "checkpoints" / f"step-{STEPS:06d}"), str(target))
+    assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    AutoTokenizer.from_pretrained(target)
+    final = _weights(out / "resumed" / "final_model")
+    exported = model.state_dict()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+    again = run(GRPO, "export", str(out / "resumed" / "checkpoints" / f"step-{STEPS:06d}"), str(target))
+    assert again.returncode == 2 and "not empty" in again.stderr
+    bad = run(GRPO, "export", str(out / "resumed" / "checkpoints" / ".tmp-step-000003"), str(tmp_path / "x"))
+    assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
