@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SCHEMA_NAME = "grpo_schema"
 # Schema fields that are free-form mappings: any sub-key is valid there.
-MAPPING_KEYS = ("reward.weights.", "reward.custom.")
+MAPPING_KEYS = ("reward.weights.", "reward.custom.", "learner.deepspeed.")
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,7 @@ instant and happen before any actor starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -151,6 +151,9 @@ class LearnerConfig:
     """Ray GPUs per learner rank (1 on GPU clusters)."""
     backend: str = "auto"
     """torch.distributed backend: `auto` is nccl with GPUs, gloo without."""
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Any DeepSpeed setting, merged over the generated config (e.g.
+    +learner.deepspeed.zero_optimization.offload_optimizer.device=cpu for ZeRO-Offload)."""
 
 
 @dataclass

@@ -19,6 +19,17 @@ from cluster.ray_utils import free_port, node_ip
 from learner import grpo
 
 
+def deep_merge(base: dict, override: dict) -> dict:
+    """`override` over `base`, recursively for nested dicts (DeepSpeed settings from the config)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 class LearnerRank:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, learner_cfg: dict, algo_cfg: dict, seed: int):
@@ -47,7 +58,7 @@ class LearnerRank:
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.warmup_examples: List[tuple] = []
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        ds_config = {
+        ds_config = deep_merge({
             "train_micro_batch_size_per_gpu": 1,  # batches are formed here, not by DeepSpeed
             "gradient_accumulation_steps": 1,
             "gradient_clipping": learner_cfg["grad_clip"],
@@ -55,7 +66,7 @@ class LearnerRank:
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": self.on_gpu},
             "steps_per_print": 10**9,
-        }
+        }, learner_cfg.get("deepspeed") or {})
         optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg["lr"],
                                       weight_decay=learner_cfg["weight_decay"])
         self.engine, self.optimizer, _, _ = deepspeed.initialize(

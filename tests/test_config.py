@@ -187,3 +187,15 @@ def test_half_written_and_incomplete_checkpoints_are_never_picked(tmp_path):
         if complete:
             (folder / name / STATE_FILE).write_text("{}")
     assert latest_checkpoint(tmp_path) == folder / "step-000010"
+
+
+def test_any_deepspeed_setting_passes_through_merged_over_the_generated_one():
+    from learner.actor import deep_merge
+
+    cfg = load_config(["+learner.deepspeed.zero_optimization.offload_optimizer.device=cpu",
+                       "+learner.deepspeed.gradient_clipping=0.5"])
+    generated = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}
+    assert deep_merge(generated, cfg.learner.deepspeed) == {
+        "gradient_clipping": 0.5, "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert generated["zero_optimization"] == {"stage": 2}  # the generated config is not mutated
