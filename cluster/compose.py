@@ -140,6 +140,12 @@ def validate(cfg: Config) -> None:
     _one_of("algo.adv_scale", cfg.algo.adv_scale, ("group", "batch", "none"))
     _one_of("algo.adv_estimator", cfg.algo.adv_estimator, ("grpo", "rloo"))
     _one_of("algo.kl_estimator", cfg.algo.kl_estimator, ("k1", "k2", "k3"))
+    _one_of("algo.ratio_level", cfg.algo.ratio_level, ("token", "sequence"))
+    _at_least("algo.overlong_buffer", cfg.algo.overlong_buffer, 0)
+    if cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    _at_least("algo.max_sampling_rounds", cfg.algo.max_sampling_rounds, 1)
     _one_of("algo.loss_agg", cfg.algo.loss_agg,
             ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
     _at_least("trainer.max_steps", cfg.trainer.max_steps, 0)

@@ -79,6 +79,20 @@ class AlgoConfig:
     """`seq-mean-token-mean` (GRPO), `token-mean` (DAPO), `seq-mean-token-sum-norm` (Dr. GRPO)."""
     adv_eps: float = 1e-4
     """Added to the std before dividing."""
+    ratio_level: str = "token"
+    """Importance ratio per `token` (GRPO) or per `sequence` (GSPO: length-normalised)."""
+    mask_truncated: bool = False
+    """DAPO: leave completions cut at max_new_tokens out of the loss."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: over the last N tokens before max_new_tokens the reward drops
+    linearly by up to overlong_penalty (0: off)."""
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: the largest penalty, reached at max_new_tokens."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no signal) and sample more prompts until
+    the batch is full, or until max_sampling_rounds; the drops are counted."""
+    max_sampling_rounds: int = 3
+    """Generation rounds per step at most, with dynamic_sampling."""
 
 
 @dataclass
@@ -142,6 +156,9 @@ class LearnerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
+    max_tokens_per_microbatch: int = 0
+    """Cut each minibatch into micro-batches of at most this many (padded) tokens and accumulate
+    their gradients before the optimizer step; 0: one micro-batch (no accumulation)."""
     minibatches: int = 2
     """Optimizer steps per pass over a batch of rollouts; the later ones are off-policy, which
     is what the PPO clip is for."""

@@ -115,12 +115,7 @@ def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Confi
 
     timer = Timer()
     lr = lr_at(step, cfg.trainer.max_steps, cfg.learner.lr, cfg.learner.lr_schedule, cfg.learner.min_lr_ratio)
-    batch = sampler.next_batch(cfg.trainer.prompts_per_step)
-    with timer("time_generate"):
-        group_refs = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False,
-                                            seed=cfg.trainer.seed * 1_000_003 + step)
-    with timer("time_reward"):
-        scored_refs, reward_stats = roles.verifiers.score(group_refs)
+    scored_refs, reward_stats, sampling = collect_groups(step, roles, sampler, cfg, timer)
     buffer.put(scored_refs, version)
     with timer("time_train"):
         learner_metrics = roles.learner.train_step(buffer.take(len(scored_refs)), cfg.rollout.temperature, lr)
@@ -132,11 +127,44 @@ def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Confi
         "policy_version": version + 1,
         **rewards,
         "accuracy": rewards.get("score/math", rewards[f"score/{cfg.reward.verifiers[0]}"]),
+        **sampling,
         **learner_metrics,
         **sync_metrics,
         **timer.times,
         "time_step": timer.total(),
     }
+
+
+def collect_groups(step: int, roles: Roles, sampler, cfg: Config, timer: "Timer"):
+    """Generate and score one batch of prompt groups: (scored refs, reward stats, sampling metrics).
+
+    With DAPO's dynamic sampling, groups whose rewards are all equal (zero advantage) are
+    dropped and more prompts are generated, up to `algo.max_sampling_rounds` rounds; if the
+    batch is still short, dropped groups fill it (they add nothing to the gradient).
+    """
+    size = cfg.trainer.prompts_per_step
+    rounds = cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 1
+    kept, spare, total = [], [], None
+    for round_ in range(rounds):
+        batch = sampler.next_batch(size - len(kept))
+        with timer("time_generate"):
+            # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
+            refs = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False,
+                                          seed=cfg.trainer.seed * 1_000_003 + step + round_ * 1_000_000_007)
+        with timer("time_reward"):
+            scored, stats = roles.verifiers.score(refs)
+        informative = stats.pop("per_item/informative")
+        total = stats if total is None else {k: total[k] + stats[k] for k in total}
+        if not cfg.algo.dynamic_sampling:
+            return scored, total, {}
+        kept += [ref for ref, ok in zip(scored, informative) if ok]
+        spare += [ref for ref, ok in zip(scored, informative) if not ok]
+        if len(kept) >= size:
+            break
+    filled = max(size - len(kept), 0)
+    return (kept + spare[:filled])[:size], total, {
+        "dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
+        "sampling_rounds": float(round_ + 1)}
 
 
 def start_roles(cfg: Config) -> Roles:
@@ -249,7 +277,7 @@ class Timer:
     def __call__(self, name: str):
         start = time.perf_counter()
         yield
-        self.times[name] = time.perf_counter() - start
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
     def total(self) -> float:
         return sum(self.times.values())

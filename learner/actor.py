@@ -172,6 +172,14 @@ class LearnerRank:
                 truncated.append(reason == "length")
         ids, attention, mask = self._pad(seqs, starts)
         r = torch.tensor(rewards, dtype=torch.float32, device=self.device)
+        shaping = torch.zeros_like(r)
+        if self.algo["overlong_buffer"] > 0:  # DAPO: a soft penalty before the length limit
+            shaping = grpo.overlong_penalty(torch.tensor(lengths, device=self.device), self.algo["max_length"],
+                                            self.algo["overlong_buffer"], self.algo["overlong_penalty"])
+            r = r + shaping
+        if self.algo["mask_truncated"]:  # DAPO: a cut-off answer teaches nothing about its end
+            cut = torch.tensor(truncated, dtype=torch.bool, device=self.device)
+            mask = mask & ~cut[:, None]
         scale, eps = self.algo["adv_scale"], self.algo["adv_eps"]
         # "batch" means the whole step's batch, across ranks, not this rank's share of it.
         A = grpo.compute_advantages(r, G, scale="none" if scale == "batch" else scale, eps=eps,
@@ -193,29 +201,96 @@ class LearnerRank:
         step_metrics: List[Dict[str, float]] = []
         for _ in range(self.algo["num_iterations"]):
             for mb in torch.arange(n, device=self.device).chunk(num_mb):
-                logprobs = self._token_logprobs(self.engine, ids[mb], attention[mb], temperature)
-                loss, metrics = grpo.policy_loss(
-                    logprobs,
-                    logprobs.detach() if old_logprobs is None else old_logprobs[mb],
-                    None if ref_logprobs is None else ref_logprobs[mb],
-                    A[mb], mask[mb], clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
-                    beta=self.algo["beta"], kl_estimator=self.algo["kl_estimator"],
-                    # Dr. GRPO divides by a constant, the longest completion allowed.
-                    loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
-                )
-                self.engine.backward(loss)
+                num_tokens = None
+                if self.algo["loss_agg"] == "token-mean":  # the batch's tokens, over every rank
+                    num_tokens = self._global_sum(mask[mb].sum()) / self.world_size
+                micros = self._micro_batches(mb, attention)
+                # Each micro-batch's loss is weighted so that their sum is the minibatch's loss.
+                if self.algo["loss_agg"] == "seq-mean-token-mean":
+                    rows = [float(mask[m].any(dim=1).sum()) for m in micros]
+                else:
+                    rows = [float(len(m)) for m in micros]
+                total_rows = max(sum(rows), 1.0)
+                mb_metrics: Dict[str, float] = {}
+                for j, micro in enumerate(micros):
+                    T = ids.shape[1]
+                    if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
+                        self.engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
+                        T = int(attention[micro].sum(dim=1).max())  # trim the padding it does not need
+                    logprobs = self._token_logprobs(self.engine, ids[micro, :T], attention[micro, :T], temperature)
+                    loss, metrics = grpo.policy_loss(
+                        logprobs,
+                        logprobs.detach() if old_logprobs is None else old_logprobs[micro, :T - 1],
+                        None if ref_logprobs is None else ref_logprobs[micro, :T - 1],
+                        A[micro], mask[micro, :T - 1], clip_low=self.algo["clip_low"],
+                        clip_high=self.algo["clip_high"], beta=self.algo["beta"],
+                        kl_estimator=self.algo["kl_estimator"],
+                        # Dr. GRPO divides by a constant, the longest completion allowed.
+                        loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
+                        ratio_level=self.algo["ratio_level"], num_tokens=num_tokens,
+                    )
+                    weight = 1.0 if num_tokens is not None or len(micros) == 1 else rows[j] / total_rows
+                    self.engine.backward(loss * weight if weight != 1.0 else loss)
+                    for key, value in metrics.items():
+                        if key == "ratio_max":
+                            mb_metrics[key] = max(mb_metrics.get(key, 0.0), value)
+                            continue
+                        share = weight if key == "loss" else 1.0 / len(micros)
+                        mb_metrics[key] = mb_metrics.get(key, 0.0) + share * value
                 self.engine.step()
-                metrics["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-                step_metrics.append(metrics)
+                mb_metrics["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+                mb_metrics["micro_batches"] = float(len(micros))
+                step_metrics.append(mb_metrics)
         out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         out.update({
             "response_length_mean": sum(lengths) / len(lengths),
             "truncated_fraction": sum(truncated) / len(truncated),
             "advantage_abs_mean": float(A.abs().mean()),
+            "overlong_penalty_mean": float(shaping.mean()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "learner_seconds": time.perf_counter() - start,
         })
         return out
+
+    def _micro_batches(self, rows, attention) -> List["torch.Tensor"]:
+        """Rows of a minibatch in order, cut so that rows x longest row <= the token budget
+        (`learner.max_tokens_per_microbatch`; 0 keeps one micro-batch). Every rank ends with
+        the same number of micro-batches (the most any rank needs), because under ZeRO-3
+        each forward and backward is a collective."""
+        budget = self.cfg.get("max_tokens_per_microbatch", 0)
+        if budget <= 0:
+            return [rows]
+        lengths = attention[rows].sum(dim=1).tolist()
+        micros: List[List[int]] = []
+        current: List[int] = []
+        longest = 0
+        for row, length in zip(rows.tolist(), lengths):
+            if current and (len(current) + 1) * max(longest, length) > budget:
+                micros.append(current)
+                current, longest = [], 0
+            current.append(row)
+            longest = max(longest, length)
+        micros.append(current)
+        target = int(self._global_max(len(micros)))
+        while len(micros) < target:  # split the largest micro-batch until every rank has as many
+            i = max(range(len(micros)), key=lambda k: len(micros[k]))
+            half = len(micros[i]) // 2
+            micros[i:i + 1] = [micros[i][:half], micros[i][half:]]
+        return [torch.tensor(m, device=self.device) for m in micros]
+
+    def _global_max(self, value: float) -> float:
+        import torch.distributed as dist
+
+        total = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return float(total)
+
+    def _global_sum(self, x) -> float:
+        import torch.distributed as dist
+
+        total = x.detach().double().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total)
 
     def _global_std(self, r):
         import torch.distributed as dist

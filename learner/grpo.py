@@ -74,16 +74,29 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") ->
     return torch.exp(log_r) - log_r - 1                       # k3: unbiased and >= 0
 
 
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_length - buffer tokens,
+    then linearly down to -penalty at max_length (and -penalty beyond)."""
+    if buffer <= 0 or buffer > max_length:
+        raise ValueError(f"the overlong buffer must be in 1..{max_length} tokens (got {buffer})")
+    over = (lengths.to(torch.float32) - (max_length - buffer)).clamp(min=0)
+    return -penalty * (over / buffer).clamp(max=1.0)
+
+
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[Tensor],
                 advantages: Tensor, mask: Tensor, *, clip_low: float = 0.2,
                 clip_high: float = 0.2, beta: float = 0.04, kl_estimator: str = "k3",
                 loss_agg: str = "seq-mean-token-mean", max_length: Optional[int] = None,
-                ratio_level: str = "token") -> Tuple[Tensor, Dict[str, float]]:
+                ratio_level: str = "token", num_tokens: Optional[float] = None,
+                ) -> Tuple[Tensor, Dict[str, float]]:
     """Clipped GRPO loss -(surrogate - beta*KL) over completion tokens, aggregated by loss_agg.
 
     logprobs/old_logprobs/ref_logprobs/mask: [N, T]; advantages: [N]. Returns (scalar loss,
     metrics of python floats). A completion with no mask tokens adds 0 and, under
     seq-mean-token-mean, is left out of the mean over completions (so it never gives NaN).
+    `num_tokens` replaces the token count that token-mean divides by: with data-parallel
+    ranks, the whole batch's count divided by the number of ranks, so that averaging the
+    ranks' gradients gives the mean over every token of the batch, not a mean of means.
     """
     _check("loss_agg", loss_agg, LOSS_AGGS)
     _check("ratio_level", ratio_level, RATIO_LEVELS)
@@ -116,7 +129,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
         per_seq = per_token.sum(dim=1) / n_tokens.clamp(min=1)
         loss = per_seq.sum() / (n_tokens > 0).sum().clamp(min=1)
     elif loss_agg == "token-mean":
-        loss = per_token.sum() / mask.sum().clamp(min=1)
+        divisor = mask.sum().clamp(min=1) if num_tokens is None else max(float(num_tokens), 1e-12)
+        loss = per_token.sum() / divisor
     else:  # Dr. GRPO: a constant normaliser, so long answers are not down-weighted per token
         loss = (per_token.sum(dim=1) / max_length).mean()
 

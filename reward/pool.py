@@ -64,7 +64,7 @@ class VerifierWorker:
     def score_groups(self, *groups) -> Tuple[Any, ...]:
         """Scored copies of the groups (rewards, per-verifier scores, timed-out names per
         completion), then the summed stats: one return value each."""
-        stats = self._stats()
+        stats: Dict[str, Any] = {**self._stats(), "per_item/informative": []}
         restarts = self.scorer.restarts
         items = [(g.prompt, c, g.answer, getattr(g, "fields", {}) or {}) for g in groups for c in g.completions]
         outcomes = iter(self.scorer.score(items))
@@ -76,7 +76,9 @@ class VerifierWorker:
             for outcome in mine:
                 _add_outcome(stats, outcome)
             # A group whose rewards are all equal has zero advantage: it teaches nothing.
-            stats["uniform_groups"] += float(len(set(group.rewards)) <= 1)
+            uniform = len(set(group.rewards)) <= 1
+            stats["uniform_groups"] += float(uniform)
+            stats["per_item/informative"].append(not uniform)
         stats["scorer_restarts"] = float(self.scorer.restarts - restarts)
         return (*groups, stats)
 
@@ -113,7 +115,8 @@ class VerifierPool:
     def _dispatch(self, method: str, payload: Sequence[Any], chunks_per_worker: int = 4):
         """Run `method` over `payload` in chunks on whichever worker is free.
 
-        Returns (one result ref per payload entry, in order; summed stats).
+        Returns (one result ref per payload entry, in order; summed stats). A stat whose name
+        starts with `per_item/` is a list with one value per payload entry instead of a sum.
         """
         n = len(payload)
         out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
@@ -135,7 +138,12 @@ class VerifierPool:
             w, chunk, refs = running.pop(done[0])
             stats = ray.get(done[0])  # raises if the actor failed more than TASK_RETRIES times
             for key, value in stats.items():
-                total[key] = total.get(key, 0.0) + value
+                if key.startswith("per_item/"):
+                    column = total.setdefault(key, [None] * n)
+                    for i, v in zip(chunk, value):
+                        column[i] = v
+                else:
+                    total[key] = total.get(key, 0.0) + value
             for i, ref in zip(chunk, refs):
                 out[i] = ref
             idle.append(w)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.grpo import compute_advantages, kl_penalty, masked_mean, policy_loss
+from learner.grpo import compute_advantages, kl_penalty, masked_mean, overlong_penalty, policy_loss
 
 D = torch.float64
 
@@ -217,6 +217,27 @@ def test_aggregations_hand_worked():
     assert f("seq-mean-token-mean") == pytest.approx(-(3 + 1) / 2)
     assert f("token-mean") == pytest.approx(-(3 + 1 + 1 + 1) / 4)
     assert f("seq-mean-token-sum-norm") == pytest.approx(-(3 / 4 + 3 / 4) / 2)
+
+
+def test_token_mean_with_the_whole_batchs_token_count():
+    # Rank 0 holds the 1-token completion, rank 1 the 3-token one: each divides its token sum by
+    # (4 tokens in all) / (2 ranks), so the average of the two losses is the batch's token mean.
+    lp = torch.zeros(1, 3, dtype=D)
+    rank0 = policy_loss(lp, lp, None, torch.tensor([3.0], dtype=D), torch.tensor([[1, 0, 0]]), beta=0.0,
+                        loss_agg="token-mean", num_tokens=4 / 2)[0]
+    rank1 = policy_loss(lp, lp, None, torch.tensor([1.0], dtype=D), torch.tensor([[1, 1, 1]]), beta=0.0,
+                        loss_agg="token-mean", num_tokens=4 / 2)[0]
+    assert float(rank0 + rank1) / 2 == pytest.approx(-(3 + 1 + 1 + 1) / 4)
+
+
+def test_overlong_penalty_hand_worked():
+    # max 20 tokens, buffer 4: no penalty up to 16, then -0.25 per token, -1 from 20 on
+    lengths = torch.tensor([0, 16, 17, 18, 20, 25])
+    got = overlong_penalty(lengths, max_length=20, buffer=4, penalty=1.0)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    assert overlong_penalty(lengths, 20, 4, penalty=0.5).tolist() == pytest.approx([0, 0, -0.125, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError):
+        overlong_penalty(lengths, 20, 0)
 
 
 def test_sequence_ratio_is_geometric_mean():

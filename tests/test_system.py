@@ -97,3 +97,24 @@ def test_buffer_holds_refs_only_and_keeps_order(ray_session):
     with pytest.raises(ValueError):
         buffer.take(4)
     assert buffer.take(2) == refs[:2] and len(buffer) == 1
+
+
+def test_dynamic_sampling_drops_groups_without_signal(roles, system_cfg):
+    import copy
+
+    from cluster.train import Timer, collect_groups
+    from rollout.datasets import PromptSampler
+
+    cfg = copy.deepcopy(system_cfg)
+    cfg.algo.dynamic_sampling, cfg.algo.max_sampling_rounds = True, 3
+    sampler = PromptSampler(load_problems(cfg.data, cfg.trainer.seed).train, seed=11)
+    refs, stats, sampling = collect_groups(1, roles, sampler, cfg, Timer())
+    size, G = cfg.trainer.prompts_per_step, cfg.algo.group_size
+    groups = ray.get(refs)
+    assert len(groups) == size
+    filled, dropped = int(sampling["dynamic_filled"]), int(sampling["dynamic_dropped"])
+    # informative groups first; groups without signal only to fill what 3 rounds could not
+    assert [len(set(g.rewards)) > 1 for g in groups] == [True] * (size - filled) + [False] * filled
+    assert 1 <= sampling["sampling_rounds"] <= 3
+    assert stats["completions"] == G * (size + dropped)  # every generated group was scored once
+    assert len({g.index for g in groups}) == size  # no prompt twice in one batch
