@@ -138,7 +138,10 @@ def validate(cfg: Config) -> None:
     _at_least("algo.clip_low", cfg.algo.clip_low, 0.0)
     _at_least("algo.clip_high", cfg.algo.clip_high, 0.0)
     _one_of("algo.adv_scale", cfg.algo.adv_scale, ("group", "batch", "none"))
-    _one_of("algo.adv_estimator", cfg.algo.adv_estimator, ("grpo", "rloo"))
+    _one_of("algo.adv_estimator", cfg.algo.adv_estimator, ("grpo", "rloo", "gae"))
+    if cfg.algo.adv_estimator == "gae" and cfg.learner.max_tokens_per_microbatch:
+        raise ConfigError("learner.max_tokens_per_microbatch is not supported with algo.adv_estimator=gae "
+                          "yet: set it to 0")
     _one_of("algo.kl_estimator", cfg.algo.kl_estimator, ("k1", "k2", "k3"))
     _one_of("algo.ratio_level", cfg.algo.ratio_level, ("token", "sequence"))
     _at_least("algo.overlong_buffer", cfg.algo.overlong_buffer, 0)

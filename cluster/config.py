@@ -72,7 +72,17 @@ class AlgoConfig:
     adv_scale: str = "group"
     """Advantage scaling: `group` std, `batch` std, or `none` (Dr. GRPO)."""
     adv_estimator: str = "grpo"
-    """`grpo` (group-mean baseline) or `rloo` (leave-one-out baseline)."""
+    """`grpo` (group-mean baseline), `rloo` (leave-one-out baseline), or `gae`: PPO with a
+    critic (a value model of the policy's architecture, its own DeepSpeed engine), the baseline
+    that GRPO removes."""
+    gamma: float = 1.0
+    """gae: discount per token."""
+    lam: float = 0.95
+    """gae: GAE's lambda."""
+    critic_lr: float = 1e-3
+    """gae: the value model's learning rate."""
+    value_clip: float = 0.2
+    """gae: how far a value may move from its old estimate before the value loss stops pulling."""
     kl_estimator: str = "k3"
     """KL estimator per token: k1, k2 or k3."""
     loss_agg: str = "seq-mean-token-mean"

@@ -85,7 +85,7 @@ def train(cfg: Config) -> Dict[str, object]:
         _injected_fault(step)
 
     accuracy_after = evaluate(roles, heldout)
-    say(f"held-out greedy accuracy after GRPO: {accuracy_after:.1%}", started)
+    say(f"held-out greedy accuracy after {algorithm(cfg)}: {accuracy_after:.1%}", started)
     final_model = roles.learner.save_pretrained(str(run_dir / "final_model"))
     summary = {
         "heldout_accuracy_before": accuracy_before,
@@ -260,6 +260,10 @@ def evaluate(roles: Roles, problems) -> float:
     _, stats = roles.verifiers.score(refs)
     key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
     return stats[key] / max(stats["completions"], 1)
+
+
+def algorithm(cfg: Config) -> str:
+    return "PPO" if cfg.algo.adv_estimator == "gae" else "GRPO"
 
 
 def say(message: str, since: Optional[float] = None) -> None:

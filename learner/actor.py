@@ -16,7 +16,7 @@ import torch
 
 from cluster import weight_sync
 from cluster.ray_utils import free_port, node_ip
-from learner import grpo
+from learner import grpo, ppo
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -72,6 +72,16 @@ class LearnerRank:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
+        self.critic = None
+        if algo_cfg["adv_estimator"] == "gae":
+            # PPO's value model: the policy's architecture with a scalar head per token, its own
+            # DeepSpeed engine and optimizer (what GRPO does without).
+            from transformers import AutoModelForTokenClassification
+
+            critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=self.dtype)
+            critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=algo_cfg["critic_lr"],
+                                                 weight_decay=learner_cfg["weight_decay"])
+            self.critic, _, _, _ = deepspeed.initialize(model=critic, optimizer=critic_optimizer, config=ds_config)
         self.ref_model = None
         self.sync_group = None
 
@@ -181,11 +191,13 @@ class LearnerRank:
             cut = torch.tensor(truncated, dtype=torch.bool, device=self.device)
             mask = mask & ~cut[:, None]
         scale, eps = self.algo["adv_scale"], self.algo["adv_eps"]
-        # "batch" means the whole step's batch, across ranks, not this rank's share of it.
-        A = grpo.compute_advantages(r, G, scale="none" if scale == "batch" else scale, eps=eps,
-                                    estimator=self.algo["adv_estimator"])
-        if scale == "batch":
-            A = A / (self._global_std(r) + eps)
+        ppo_mode = self.critic is not None
+        if not ppo_mode:
+            # "batch" means the whole step's batch, across ranks, not this rank's share of it.
+            A = grpo.compute_advantages(r, G, scale="none" if scale == "batch" else scale, eps=eps,
+                                        estimator=self.algo["adv_estimator"])
+            if scale == "batch":
+                A = A / (self._global_std(r) + eps)
 
         # pi_old and pi_ref are fixed for the whole step: computed once, before any update.
         num_mb = self.cfg["minibatches"]
@@ -193,10 +205,18 @@ class LearnerRank:
         with torch.no_grad():
             # With one update per batch, pi_old is the policy being differentiated: its
             # log-probs are the same numbers, detached (saves a forward pass; ratio = 1).
-            old_logprobs = (None if single_update
+            old_logprobs = (None if single_update and not ppo_mode
                             else self._token_logprobs(self.engine, ids, attention, temperature))
             ref_logprobs = (self._token_logprobs(self.ref_model, ids, attention, temperature)
                             if self.ref_model is not None else None)
+            if ppo_mode:  # token-level advantages from the critic (GAE); the KL is in the reward
+                old_values = self._values(ids, attention)
+                kl = (old_logprobs - ref_logprobs if ref_logprobs is not None
+                      else torch.zeros_like(old_logprobs))
+                token_r = ppo.token_rewards(r, kl, mask, self.algo["beta"])
+                A, returns = ppo.gae(token_r, old_values, mask, self.algo["gamma"], self.algo["lam"])
+                A = ppo.whiten(A, mask)
+                ref_logprobs = None  # not in the loss
         n = ids.shape[0]
         step_metrics: List[Dict[str, float]] = []
         for _ in range(self.algo["num_iterations"]):
@@ -222,8 +242,9 @@ class LearnerRank:
                         logprobs,
                         logprobs.detach() if old_logprobs is None else old_logprobs[micro, :T - 1],
                         None if ref_logprobs is None else ref_logprobs[micro, :T - 1],
-                        A[micro], mask[micro, :T - 1], clip_low=self.algo["clip_low"],
-                        clip_high=self.algo["clip_high"], beta=self.algo["beta"],
+                        A[micro, :T - 1] if ppo_mode else A[micro], mask[micro, :T - 1],
+                        clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
+                        beta=0.0 if ppo_mode else self.algo["beta"],
                         kl_estimator=self.algo["kl_estimator"],
                         # Dr. GRPO divides by a constant, the longest completion allowed.
                         loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
@@ -238,6 +259,14 @@ class LearnerRank:
                         share = weight if key == "loss" else 1.0 / len(micros)
                         mb_metrics[key] = mb_metrics.get(key, 0.0) + share * value
                 self.engine.step()
+                if ppo_mode:
+                    values = self._values(ids[mb], attention[mb], grad=True)
+                    vloss, vmetrics = ppo.value_loss(values, old_values[mb], returns[mb], mask[mb],
+                                                     self.algo["value_clip"])
+                    self.critic.backward(vloss)
+                    self.critic.step()
+                    mb_metrics.update(vmetrics)
+                    mb_metrics["kl"] = float(grpo.masked_mean(kl[mb], mask[mb]))
                 mb_metrics["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
                 mb_metrics["micro_batches"] = float(len(micros))
                 step_metrics.append(mb_metrics)
@@ -249,8 +278,22 @@ class LearnerRank:
             "overlong_penalty_mean": float(shaping.mean()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "learner_seconds": time.perf_counter() - start,
+            "learner_peak_memory_mb": self._peak_memory_mb(),
         })
         return out
+
+    def _values(self, ids, attention, grad: bool = False):
+        """The critic's value of the state before each token, aligned with the log-probs [N, T-1]."""
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            return self.critic(input_ids=ids, attention_mask=attention).logits[:, :-1, 0].float()
+
+    def _peak_memory_mb(self) -> float:
+        """Peak memory of this rank: CUDA's allocator peak on GPU, the process's peak RSS on CPU."""
+        if self.on_gpu:
+            return torch.cuda.max_memory_allocated() / 2**20
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
     def _micro_batches(self, rows, attention) -> List["torch.Tensor"]:
         """Rows of a minibatch in order, cut so that rows x longest row <= the token budget
@@ -348,6 +391,8 @@ class LearnerRank:
         and the model's config and tokenizer (see cluster/checkpoint.py for the layout)."""
         learner_dir = os.path.join(folder, "learner")
         self.engine.save_checkpoint(learner_dir, tag="ds")
+        if self.critic is not None:
+            self.critic.save_checkpoint(os.path.join(folder, "critic"), tag="ds")
         torch.save(self._rng_state(), os.path.join(learner_dir, f"rng_rank{self.rank}.pt"))
         if self.rank == 0:
             if self.ref_model is not None:
@@ -362,6 +407,8 @@ class LearnerRank:
                                               load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {learner_dir}")
+        if self.critic is not None:
+            self.critic.load_checkpoint(os.path.join(folder, "critic"), tag="ds", load_optimizer_states=True)
         self._set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False))
         if self.algo["beta"] > 0:
             from transformers import AutoModelForCausalLM

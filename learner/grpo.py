@@ -105,9 +105,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
         raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs a positive max_length")
     if beta != 0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
-    if advantages.shape != logprobs.shape[:1] or mask.shape != logprobs.shape:
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape) or mask.shape != logprobs.shape:
         raise ValueError(f"shapes: logprobs {tuple(logprobs.shape)}, mask {tuple(mask.shape)}, "
-                         f"advantages {tuple(advantages.shape)} (want [N, T], [N, T], [N])")
+                         f"advantages {tuple(advantages.shape)} (want [N, T], [N, T], [N] or [N, T])")
     mask = mask.bool()
     zero = torch.zeros_like(logprobs)
     # Padding may hold garbage (-inf, NaN); zero it before exp so neither loss nor grad sees it.
@@ -115,7 +115,10 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
     if ratio_level == "sequence":  # GSPO: one ratio per completion, geometric mean over its tokens
         log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1).expand_as(logprobs)
     rho = torch.exp(log_ratio)
-    A = advantages.to(logprobs.dtype).unsqueeze(1)            # [N, 1], broadcast over tokens
+    A = advantages.to(logprobs.dtype)
+    if A.dim() == 1:
+        A = A.unsqueeze(1)                                    # [N, 1], broadcast over tokens
+    # [N, T]: one advantage per token (PPO's GAE)
     surrogate = torch.min(rho * A, torch.clamp(rho, 1 - clip_low, 1 + clip_high) * A)
     per_token = -surrogate
     if beta != 0:
