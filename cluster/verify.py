@@ -98,7 +98,7 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
     from cluster.ray_utils import init_ray
     from reward.pool import VerifierPool
 
-    names = [v.strip() for v in verifiers if v.strip()]
+    names = list(dict.fromkeys(v.strip() for v in verifiers if v.strip()))
     if not names:
         raise ConfigError("--verifiers is empty: name at least one (e.g. math,format)")
     # Verifiers named here without a weight count 1.0 (training asks for every weight).
