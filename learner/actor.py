@@ -221,44 +221,8 @@ class LearnerRank:
         step_metrics: List[Dict[str, float]] = []
         for _ in range(self.algo["num_iterations"]):
             for mb in torch.arange(n, device=self.device).chunk(num_mb):
-                num_tokens = None
-                if self.algo["loss_agg"] == "token-mean":  # the batch's tokens, over every rank
-                    num_tokens = self._global_sum(mask[mb].sum()) / self.world_size
-                micros = self._micro_batches(mb, attention)
-                # Each micro-batch's loss is weighted so that their sum is the minibatch's loss.
-                if self.algo["loss_agg"] == "seq-mean-token-mean":
-                    rows = [float(mask[m].any(dim=1).sum()) for m in micros]
-                else:
-                    rows = [float(len(m)) for m in micros]
-                total_rows = max(sum(rows), 1.0)
-                mb_metrics: Dict[str, float] = {}
-                for j, micro in enumerate(micros):
-                    T = ids.shape[1]
-                    if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
-                        self.engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
-                        T = int(attention[micro].sum(dim=1).max())  # trim the padding it does not need
-                    logprobs = self._token_logprobs(self.engine, ids[micro, :T], attention[micro, :T], temperature)
-                    loss, metrics = grpo.policy_loss(
-                        logprobs,
-                        logprobs.detach() if old_logprobs is None else old_logprobs[micro, :T - 1],
-                        None if ref_logprobs is None else ref_logprobs[micro, :T - 1],
-                        A[micro, :T - 1] if ppo_mode else A[micro], mask[micro, :T - 1],
-                        clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
-                        beta=0.0 if ppo_mode else self.algo["beta"],
-                        kl_estimator=self.algo["kl_estimator"],
-                        # Dr. GRPO divides by a constant, the longest completion allowed.
-                        loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
-                        ratio_level=self.algo["ratio_level"], num_tokens=num_tokens,
-                    )
-                    weight = 1.0 if num_tokens is not None or len(micros) == 1 else rows[j] / total_rows
-                    self.engine.backward(loss * weight if weight != 1.0 else loss)
-                    for key, value in metrics.items():
-                        if key == "ratio_max":
-                            mb_metrics[key] = max(mb_metrics.get(key, 0.0), value)
-                            continue
-                        share = weight if key == "loss" else 1.0 / len(micros)
-                        mb_metrics[key] = mb_metrics.get(key, 0.0) + share * value
-                self.engine.step()
+                mb_metrics = self._policy_update(mb, ids, attention, mask, A, old_logprobs, ref_logprobs,
+                                                 temperature, token_advantages=ppo_mode)
                 if ppo_mode:
                     values = self._values(ids[mb], attention[mb], grad=True)
                     vloss, vmetrics = ppo.value_loss(values, old_values[mb], returns[mb], mask[mb],
@@ -268,7 +232,6 @@ class LearnerRank:
                     mb_metrics.update(vmetrics)
                     mb_metrics["kl"] = float(grpo.masked_mean(kl[mb], mask[mb]))
                 mb_metrics["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-                mb_metrics["micro_batches"] = float(len(micros))
                 step_metrics.append(mb_metrics)
         out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         out.update({
@@ -281,6 +244,52 @@ class LearnerRank:
             "learner_peak_memory_mb": self._peak_memory_mb(),
         })
         return out
+
+    def _policy_update(self, mb, ids, attention, mask, A, old_logprobs, ref_logprobs, temperature: float,
+                       token_advantages: bool) -> Dict[str, float]:
+        """One optimizer step of the policy on minibatch `mb` (row indices), in micro-batches
+        whose gradients accumulate; returns the minibatch's metrics. `A` is one advantage per
+        row, or per token with `token_advantages` (PPO, whose KL is in the reward, not here)."""
+        num_tokens = None
+        if self.algo["loss_agg"] == "token-mean":  # the batch's tokens, over every rank
+            num_tokens = self._global_sum(mask[mb].sum()) / self.world_size
+        micros = self._micro_batches(mb, attention)
+        # Each micro-batch's loss is weighted so that their sum is the minibatch's loss.
+        if self.algo["loss_agg"] == "seq-mean-token-mean":
+            rows = [float(mask[m].any(dim=1).sum()) for m in micros]
+        else:
+            rows = [float(len(m)) for m in micros]
+        total_rows = max(sum(rows), 1.0)
+        mb_metrics: Dict[str, float] = {}
+        for j, micro in enumerate(micros):
+            T = ids.shape[1]
+            if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
+                self.engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
+                T = int(attention[micro].sum(dim=1).max())  # trim the padding it does not need
+            logprobs = self._token_logprobs(self.engine, ids[micro, :T], attention[micro, :T], temperature)
+            loss, metrics = grpo.policy_loss(
+                logprobs,
+                logprobs.detach() if old_logprobs is None else old_logprobs[micro, :T - 1],
+                None if ref_logprobs is None else ref_logprobs[micro, :T - 1],
+                A[micro, :T - 1] if token_advantages else A[micro], mask[micro, :T - 1],
+                clip_low=self.algo["clip_low"], clip_high=self.algo["clip_high"],
+                beta=0.0 if token_advantages else self.algo["beta"],
+                kl_estimator=self.algo["kl_estimator"],
+                # Dr. GRPO divides by a constant, the longest completion allowed.
+                loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
+                ratio_level=self.algo["ratio_level"], num_tokens=num_tokens,
+            )
+            weight = 1.0 if num_tokens is not None or len(micros) == 1 else rows[j] / total_rows
+            self.engine.backward(loss * weight if weight != 1.0 else loss)
+            for key, value in metrics.items():
+                if key == "ratio_max":
+                    mb_metrics[key] = max(mb_metrics.get(key, 0.0), value)
+                    continue
+                share = weight if key == "loss" else 1.0 / len(micros)
+                mb_metrics[key] = mb_metrics.get(key, 0.0) + share * value
+        self.engine.step()
+        mb_metrics["micro_batches"] = float(len(micros))
+        return mb_metrics
 
     def _values(self, ids, attention, grad: bool = False):
         """The critic's value of the state before each token, aligned with the log-probs [N, T-1]."""

@@ -104,10 +104,6 @@ class Scorer:
         self.restarts += 1
         self._start()
 
-    def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._kill()
-
     # ------------------------------------------------------------------ scoring
 
     def score(self, items: Sequence[Item]) -> List[Outcome]:

@@ -4,8 +4,6 @@ vLLM engines take ~20 s each to start on 2 cores, so integration tests share the
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 
