@@ -199,3 +199,8 @@ def test_any_deepspeed_setting_passes_through_merged_over_the_generated_one():
         "gradient_clipping": 0.5, "bf16": {"enabled": False},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert generated["zero_optimization"] == {"stage": 2}  # the generated config is not mutated
+
+
+def test_ppo_with_micro_batching_is_refused_in_one_line():
+    message = config_error("algo.adv_estimator=gae", "learner.max_tokens_per_microbatch=512")
+    assert "learner.max_tokens_per_microbatch" in message and "gae" in message
