@@ -149,6 +149,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     _at_least("algo.max_sampling_rounds", cfg.algo.max_sampling_rounds, 1)
+    _at_least("algo.max_staleness", cfg.algo.max_staleness, 0)
+    if cfg.algo.is_cap != 0 and cfg.algo.is_cap < 1:
+        raise ConfigError(f"algo.is_cap must be 0 (off) or at least 1 (got {cfg.algo.is_cap})")
+    _one_of("trainer.mode", cfg.trainer.mode, ("sync", "async"))
+    _at_least("trainer.async_lookahead", cfg.trainer.async_lookahead, 1)
     _one_of("algo.loss_agg", cfg.algo.loss_agg,
             ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
     _at_least("trainer.max_steps", cfg.trainer.max_steps, 0)
@@ -168,6 +173,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.temperature must be above 0 for sampling (got {cfg.rollout.temperature}); "
                           "evaluation is greedy anyway")
     _at_least("rollout.max_new_tokens", cfg.rollout.max_new_tokens, 1)
+    _at_least("rollout.top_k", cfg.rollout.top_k, 0)
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
+    _at_least("rollout.chunks_per_worker", cfg.rollout.chunks_per_worker, 1)
+    _at_least("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size, 1)
+    if cfg.rollout.num_gpus_per_worker and cfg.rollout.num_gpus_per_worker < cfg.rollout.tensor_parallel_size:
+        raise ConfigError(f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker:g} is less than "
+                          f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: one GPU per TP rank")
+    if any(not s for s in cfg.rollout.stop):
+        raise ConfigError("rollout.stop: an empty stop string would end every completion at once")
     _at_least("data.heldout_size", cfg.data.heldout_size, 1)
     _at_least("warmup.check_every", cfg.warmup.check_every, 1)
     _at_least("warmup.probe_size", cfg.warmup.probe_size, 1)

@@ -103,6 +103,13 @@ class AlgoConfig:
     the batch is full, or until max_sampling_rounds; the drops are counted."""
     max_sampling_rounds: int = 3
     """Generation rounds per step at most, with dynamic_sampling."""
+    is_cap: float = 2.0
+    """Truncated importance sampling: each token's loss is weighted by
+    min(pi_old / pi_sampler, is_cap), correcting for the sampler's weights being older (async
+    mode) or numerically different (vLLM vs the learner). 0: off."""
+    max_staleness: int = 1
+    """trainer.mode=async: a group made by weights more than this many versions older than the
+    learner's is dropped (counted in `dropped_stale`) and its prompt generated again."""
 
 
 @dataclass
@@ -131,7 +138,9 @@ class RolloutConfig:
     num_cpus_per_worker: float = 0.5
     """Ray CPUs reserved per generation actor."""
     num_gpus_per_worker: float = 0.0
-    """Ray GPUs per generation actor (1 on GPU clusters; tensor parallelism is not wired yet)."""
+    """Ray GPUs per generation actor (on GPU clusters: tensor_parallel_size)."""
+    tensor_parallel_size: int = 1
+    """GPUs one vLLM engine is split over; each TP rank joins the weight-sync group."""
     dtype: str = "float32"
     """dtype inside vLLM, and on the wire of the weight sync. float32 is faster than bfloat16 on
     vLLM's CPU build for the tiny model (measured); use bfloat16 on GPUs."""
@@ -139,6 +148,15 @@ class RolloutConfig:
     """Sampling temperature for training rollouts (evaluation is greedy)."""
     top_p: float = 1.0
     """Nucleus sampling for training rollouts."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: all)."""
+    stop: List[str] = field(default_factory=list)
+    """Strings that end a completion (besides EOS), e.g. ["</answer>"]."""
+    include_stop_str: bool = True
+    """Keep the stop string at the end of the completion (the format verifier wants to see it)."""
+    chunks_per_worker: int = 4
+    """The batch is cut into about num_workers * chunks_per_worker chunks of prompts, each handed
+    to whichever worker is free; more chunks even out the finish, fewer batch better."""
     max_new_tokens: int = 32
     """Longest completion in tokens."""
     max_model_len: int = 128
@@ -224,6 +242,13 @@ class SyncConfig:
 class TrainerConfig:
     max_steps: int = 100
     """GRPO steps (one batch of rollouts, learner.minibatches updates, one weight push each)."""
+    mode: str = "sync"
+    """`sync`: generate, score, train, push, in turn (on-policy). `async`: the next batch is
+    generated and scored while the learner trains on this one (off-policy by up to
+    algo.max_staleness versions, corrected by algo.is_cap)."""
+    async_lookahead: int = 1
+    """trainer.mode=async: batches generated ahead of the one being trained (samples are then up
+    to this many versions old, before algo.max_staleness drops any)."""
     prompts_per_step: int = 64
     """B: prompts per GRPO step; each gets group_size completions."""
     output_dir: str = "runs"

@@ -23,6 +23,9 @@ class PromptGroup:
     """`stop` (ended with EOS) or `length` (truncated at max_new_tokens)."""
     policy_version: int
     """Version of the weights that generated the completions."""
+    sampler_logprobs: Optional[List[List[float]]] = None
+    """Per completion, the sampler's log-prob of each token it chose (None for greedy
+    evaluation): the behaviour policy that importance weights correct for."""
     fields: Dict[str, Any] = field(default_factory=dict)
     """The row's other columns, for verifiers that need them (`tests` for code, `language`)."""
     rewards: Optional[List[float]] = None

@@ -19,11 +19,13 @@ class WeightSyncChannel:
         self.learner, self.rollout, self.timeout_s = learner, rollout, timeout_s
         # Every rank joins: under ZeRO-3 reading the full shapes is a collective gather.
         self.spec = learner.call("weight_spec", dtype, bucket_mb)[0]
-        host, port = ray.get(learner.rank0.sync_address.remote())
-        world = 1 + len(rollout.workers)  # learner rank 0 is the root, workers are 1..N
+        host, port, self.backend = ray.get(learner.rank0.sync_address.remote())
+        # Learner rank 0 is the root; each worker's tensor-parallel ranks follow, from 1 on.
+        per_worker = rollout.sync_ranks
+        world = 1 + per_worker * len(rollout.workers)
         # Every member joins at once: the group's constructor waits for all of them.
-        joins = [learner.rank0.init_weight_sync.remote(host, port, world, timeout_s)]
-        joins += [w.init_weight_sync.remote(host, port, 1 + i, world, timeout_s)
+        joins = [learner.rank0.init_weight_sync.remote(host, port, world, timeout_s, self.backend)]
+        joins += [w.init_weight_sync.remote(host, port, 1 + i * per_worker, world, timeout_s, self.backend)
                   for i, w in enumerate(rollout.workers)]
         self._wait(joins, "joining the weight-sync group")
         self.version = 0
@@ -33,9 +35,15 @@ class WeightSyncChannel:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise WeightSyncError(f"{what} took longer than sync.timeout_s={self.timeout_s:g}s") from None
+        except ray.exceptions.RayActorError as error:
+            raise WeightSyncError(f"{what} failed: an actor of the sync group died "
+                                  f"({type(error).__name__})") from error
 
     def push(self, version: int) -> Dict[str, float]:
-        """Send the learner's weights to every worker; return once all of them hold `version`."""
+        """Send the learner's weights to every worker; return once all of them hold `version`.
+
+        A worker busy generating takes the weights after its current call (Ray runs an actor's
+        calls one at a time): weights never change in the middle of a generation request."""
         sends = [r.broadcast_weights.remote(self.spec) for r in self.learner.ranks]
         receives = [w.receive_weights.remote(self.spec, version) for w in self.rollout.workers]
         results = self._wait(sends + receives, f"weight sync to version {version}")

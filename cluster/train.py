@@ -6,7 +6,6 @@ ObjectRefs to prompt groups, never their payloads.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -71,18 +70,20 @@ def train(cfg: Config) -> Dict[str, object]:
         say(f"resumed from {resume_from} (step {state['step']}, policy version {version})", started)
     logger = MetricsLogger(run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress,
                            resume_step=first_step - 1)
+    batches = make_batches(cfg, roles, sampler, first_step)
     for step in range(first_step, cfg.trainer.max_steps + 1):
-        row = grpo_step(step, version, roles, sampler, buffer, cfg)
+        row = grpo_step(step, version, roles, batches, buffer, cfg)
         version = row["policy_version"]
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             row["heldout_accuracy"] = evaluate(roles, heldout)
         logger.log(row)
         if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.max_steps):
             save_checkpoint(run_dir, step, roles.learner, {
-                "step": step, "policy_version": version, "sampler": sampler.state_dict(),
+                "step": step, "policy_version": version, "sampler": batches.resume_state(),
                 "accuracy_before": accuracy_before, "seed": cfg.trainer.seed,
             }, cfg.trainer.keep_checkpoints)
         _injected_fault(step)
+    batches.close()
 
     accuracy_after = evaluate(roles, heldout)
     say(f"held-out greedy accuracy after {algorithm(cfg)}: {accuracy_after:.1%}", started)
@@ -108,63 +109,49 @@ def train(cfg: Config) -> Dict[str, object]:
     return summary
 
 
-def grpo_step(step: int, version: int, roles: Roles, sampler, buffer, cfg: Config) -> Dict[str, float]:
-    """One synchronous, on-policy GRPO iteration: generate, score, train, push weights."""
+def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Config) -> Dict[str, float]:
+    """One GRPO iteration: take a scored batch (made now, or ahead in async mode), drop what is
+    too stale, train, push the new weights."""
+    from cluster.batches import Timer, drop_stale
     from learner.lr_schedule import lr_at
     from reward.pool import summarize
 
-    timer = Timer()
+    started, timer = time.perf_counter(), Timer()
     lr = lr_at(step, cfg.trainer.max_steps, cfg.learner.lr, cfg.learner.lr_schedule, cfg.learner.min_lr_ratio)
-    scored_refs, reward_stats, sampling = collect_groups(step, roles, sampler, cfg, timer)
-    buffer.put(scored_refs, version)
+    with timer("time_wait_rollout"):
+        batch = batches.next(step)
+        staleness = drop_stale(batch, version, cfg.algo.max_staleness, step, roles, batches.sampler, cfg)
+    buffer.put(batch.refs, version)
     with timer("time_train"):
-        learner_metrics = roles.learner.train_step(buffer.take(len(scored_refs)), cfg.rollout.temperature, lr)
+        learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
     with timer("time_weight_sync"):
         sync_metrics = roles.channel.push(version + 1)
-    rewards = summarize(reward_stats, cfg.reward.verifiers)
+    rewards = summarize(batch.reward_stats, cfg.reward.verifiers)
+    step_seconds = time.perf_counter() - started
+    generate_seconds = batch.times.get("time_generate", 0.0)
     return {
         "step": step,
         "policy_version": version + 1,
         **rewards,
         "accuracy": rewards.get("score/math", rewards[f"score/{cfg.reward.verifiers[0]}"]),
-        **sampling,
+        **batch.metrics,
+        "generate_tokens_per_s": batch.metrics["completion_tokens"] / max(generate_seconds, 1e-9),
+        "tokens_per_s": batch.metrics["completion_tokens"] / step_seconds,
+        **staleness,
         **learner_metrics,
         **sync_metrics,
+        **batch.times,
         **timer.times,
-        "time_step": timer.total(),
+        "time_step": step_seconds,
     }
 
 
-def collect_groups(step: int, roles: Roles, sampler, cfg: Config, timer: "Timer"):
-    """Generate and score one batch of prompt groups: (scored refs, reward stats, sampling metrics).
+def make_batches(cfg: Config, roles: Roles, sampler, first_step: int):
+    from cluster.batches import AsyncBatches, SyncBatches
 
-    With DAPO's dynamic sampling, groups whose rewards are all equal (zero advantage) are
-    dropped and more prompts are generated, up to `algo.max_sampling_rounds` rounds; if the
-    batch is still short, dropped groups fill it (they add nothing to the gradient).
-    """
-    size = cfg.trainer.prompts_per_step
-    rounds = cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 1
-    kept, spare, total = [], [], None
-    for round_ in range(rounds):
-        batch = sampler.next_batch(size - len(kept))
-        with timer("time_generate"):
-            # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
-            refs = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False,
-                                          seed=cfg.trainer.seed * 1_000_003 + step + round_ * 1_000_000_007)
-        with timer("time_reward"):
-            scored, stats = roles.verifiers.score(refs)
-        informative = stats.pop("per_item/informative")
-        total = stats if total is None else {k: total[k] + stats[k] for k in total}
-        if not cfg.algo.dynamic_sampling:
-            return scored, total, {}
-        kept += [ref for ref, ok in zip(scored, informative) if ok]
-        spare += [ref for ref, ok in zip(scored, informative) if not ok]
-        if len(kept) >= size:
-            break
-    filled = max(size - len(kept), 0)
-    return (kept + spare[:filled])[:size], total, {
-        "dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
-        "sampling_rounds": float(round_ + 1)}
+    if cfg.trainer.mode == "async":
+        return AsyncBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead)
+    return SyncBatches(roles, sampler, cfg)
 
 
 def start_roles(cfg: Config) -> Roles:
@@ -256,7 +243,7 @@ def evaluate(roles: Roles, problems) -> float:
     """Greedy accuracy on `problems` through the vLLM actors and the verifier pool."""
     from rollout.pool import as_batch
 
-    refs = roles.rollout.generate(as_batch(problems), 1, greedy=True, seed=0)
+    refs, _ = roles.rollout.generate(as_batch(problems), 1, greedy=True, seed=0)
     _, stats = roles.verifiers.score(refs)
     key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
     return stats[key] / max(stats["completions"], 1)
@@ -269,22 +256,6 @@ def algorithm(cfg: Config) -> str:
 def say(message: str, since: Optional[float] = None) -> None:
     stamp = f"[{time.time() - since:6.1f}s] " if since is not None else ""
     print(f"{stamp}{message}", flush=True)
-
-
-class Timer:
-    """Seconds spent in each named phase of a step."""
-
-    def __init__(self) -> None:
-        self.times: Dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
-
-    def total(self) -> float:
-        return sum(self.times.values())
 
 
 # ---- set-up outside the loop ------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """The weight-sync channel's protocol, shared by its sender (learner rank 0) and receivers (vLLM workers).
 
-One process group joins learner rank 0 (group rank 0, the root) and every generation worker
-(ranks 1..N). The weights travel as flat buckets of about `bucket_mb`, one broadcast per bucket:
-a broadcast per tensor is far slower (NOTES.md measured 1.8 GB/s at 1 MB against 4.5 GB/s at
-64 MB on gloo). Only the small `WeightSpec` travels by RPC; tensors cannot (vLLM's
-collective_rpc cannot pickle them).
+One process group joins learner rank 0 (group rank 0, the root) and every vLLM worker process
+of every generation actor (ranks 1..N; a tensor-parallel engine has one per TP rank). The
+weights travel as flat buckets of about `bucket_mb`, one broadcast per bucket: a broadcast per
+tensor is far slower (NOTES.md measured 1.8 GB/s at 1 MB against 4.5 GB/s at 64 MB on gloo).
+The group is NCCL when the learner is on a GPU (buckets live on the GPUs), gloo otherwise.
+Only the small `WeightSpec` travels by RPC; tensors cannot (vLLM's collective_rpc cannot
+pickle them).
 
 This file is ground floor: it imports neither rollout/ nor learner/.
 """
@@ -72,9 +74,14 @@ class WeightSpec:
         return sum(s.numel for s in self.tensors) * itemsize
 
 
+def full_shape(tensor: torch.Tensor) -> Tuple[int, ...]:
+    """The unsharded shape: a ZeRO-3 parameter is an empty placeholder holding `ds_shape`."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
 def make_spec(named_tensors: Sequence[Tuple[str, torch.Tensor]], dtype: str, bucket_mb: float) -> WeightSpec:
     return WeightSpec(
-        tensors=tuple(TensorSpec(name, tuple(t.shape)) for name, t in named_tensors),
+        tensors=tuple(TensorSpec(name, full_shape(t)) for name, t in named_tensors),
         dtype=dtype,
         bucket_bytes=int(bucket_mb * 2**20),
     )
@@ -92,21 +99,26 @@ def unpack(flat: torch.Tensor, bucket: Sequence[TensorSpec]) -> Iterator[Tuple[s
         offset += spec.numel
 
 
-def empty_bucket(bucket: Sequence[TensorSpec], dtype: str) -> torch.Tensor:
-    return torch.empty(sum(s.numel for s in bucket), dtype=DTYPES[dtype])
+def empty_bucket(bucket: Sequence[TensorSpec], dtype: str, device: str = "cpu") -> torch.Tensor:
+    return torch.empty(sum(s.numel for s in bucket), dtype=DTYPES[dtype], device=device)
 
 
 @dataclass
 class SyncGroup:
     store: object  # the TCPStore must outlive the process group built on it
     group: object
+    device: str
+    """Where the buckets must live for this group's backend: cuda for NCCL, cpu for gloo."""
 
 
-def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> SyncGroup:
+def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+               backend: str = "gloo") -> SyncGroup:
     """Join the sync group. Rank 0 hosts the TCPStore rendezvous.
 
     `wait_for_workers=False` lets the root's store start without blocking until every receiver
     has connected; the first collective is what waits for all of them (bounded by timeout_s).
+    The group is built directly on its store, apart from the default process group: the
+    learner's DeepSpeed group and vLLM's own groups are untouched by it.
     """
     import torch.distributed as dist
 
@@ -114,7 +126,14 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     store = dist.TCPStore(
         host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False,
     )
-    return SyncGroup(store=store, group=dist.ProcessGroupGloo(store, rank, world_size, timeout))
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        return SyncGroup(store=store, group=group, device=f"cuda:{torch.cuda.current_device()}")
+    if backend != "gloo":
+        raise ValueError(f"weight sync backend must be nccl or gloo, got {backend!r}")
+    return SyncGroup(store=store, group=dist.ProcessGroupGloo(store, rank, world_size, timeout), device="cpu")
 
 
 def broadcast(sync_group: SyncGroup, tensor: torch.Tensor) -> None:

@@ -11,7 +11,6 @@ import random
 import time
 from typing import Dict, List, Optional
 
-import ray
 import torch
 
 from cluster import weight_sync
@@ -166,21 +165,31 @@ class LearnerRank:
         self.ref_model = ref.to(self.device).eval().requires_grad_(False)
 
     # ---- GRPO ----------------------------------------------------------------------------
-    def train_step(self, group_refs: List[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
-        """One GRPO update on this rank's prompt groups; returns this rank's metrics."""
+    def train_step(self, group_refs: list, temperature: float, lr: float) -> Dict[str, float]:
+        """One GRPO update on this rank's prompt groups (fetched by reference from the object
+        store); returns this rank's metrics."""
+        import ray
+
+        return self.train_on(ray.get(list(group_refs)), temperature, lr)
+
+    def train_on(self, groups: list, temperature: float, lr: float) -> Dict[str, float]:
+        """One GRPO update on these prompt groups. Needs no Ray: the rank works in a plain
+        process too (the GPU check runs it so)."""
         start = time.perf_counter()
         self._set_lr(lr)
-        groups = ray.get(list(group_refs))
         G = groups[0].group_size
-        seqs, starts, rewards, lengths, truncated = [], [], [], [], []
+        seqs, starts, rewards, lengths, truncated, sampled = [], [], [], [], [], []
         for g in groups:
-            for ids, reason, reward in zip(g.completion_ids, g.finish_reasons, g.rewards):
+            behaviour = getattr(g, "sampler_logprobs", None) or [None] * g.group_size
+            for ids, reason, reward, lps in zip(g.completion_ids, g.finish_reasons, g.rewards, behaviour):
                 seqs.append(list(g.prompt_ids) + list(ids))
                 starts.append(len(g.prompt_ids))
                 rewards.append(reward)
                 lengths.append(len(ids))
                 truncated.append(reason == "length")
+                sampled.append(lps)
         ids, attention, mask = self._pad(seqs, starts)
+        sampler_logprobs = self._sampler_logprobs(sampled, starts, mask)
         r = torch.tensor(rewards, dtype=torch.float32, device=self.device)
         shaping = torch.zeros_like(r)
         if self.algo["overlong_buffer"] > 0:  # DAPO: a soft penalty before the length limit
@@ -202,11 +211,16 @@ class LearnerRank:
         # pi_old and pi_ref are fixed for the whole step: computed once, before any update.
         num_mb = self.cfg["minibatches"]
         single_update = self.algo["num_iterations"] == 1 and num_mb == 1
+        use_is = self.algo["is_cap"] > 0 and sampler_logprobs is not None
         with torch.no_grad():
             # With one update per batch, pi_old is the policy being differentiated: its
             # log-probs are the same numbers, detached (saves a forward pass; ratio = 1).
-            old_logprobs = (None if single_update and not ppo_mode
+            old_logprobs = (None if single_update and not ppo_mode and not use_is
                             else self._token_logprobs(self.engine, ids, attention, temperature))
+            is_weights, is_metrics = None, {}
+            if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
+                is_weights, is_metrics = grpo.truncated_is_weights(old_logprobs, sampler_logprobs, mask,
+                                                                   self.algo["is_cap"])
             ref_logprobs = (self._token_logprobs(self.ref_model, ids, attention, temperature)
                             if self.ref_model is not None else None)
             if ppo_mode:  # token-level advantages from the critic (GAE); the KL is in the reward
@@ -222,7 +236,7 @@ class LearnerRank:
         for _ in range(self.algo["num_iterations"]):
             for mb in torch.arange(n, device=self.device).chunk(num_mb):
                 mb_metrics = self._policy_update(mb, ids, attention, mask, A, old_logprobs, ref_logprobs,
-                                                 temperature, token_advantages=ppo_mode)
+                                                 temperature, token_advantages=ppo_mode, is_weights=is_weights)
                 if ppo_mode:
                     values = self._values(ids[mb], attention[mb], grad=True)
                     vloss, vmetrics = ppo.value_loss(values, old_values[mb], returns[mb], mask[mb],
@@ -242,11 +256,22 @@ class LearnerRank:
             "lr": self.optimizer.param_groups[0]["lr"],
             "learner_seconds": time.perf_counter() - start,
             "learner_peak_memory_mb": self._peak_memory_mb(),
+            **is_metrics,
         })
         return out
 
+    def _sampler_logprobs(self, sampled, starts, mask):
+        """The sampler's log-probs laid out like the learner's targets [N, T-1]; None when
+        some completion has none (greedy outputs, or groups from elsewhere)."""
+        if any(lps is None for lps in sampled):
+            return None
+        out = torch.zeros(mask.shape, dtype=torch.float32)
+        for i, (lps, start) in enumerate(zip(sampled, starts)):
+            out[i, start - 1: start - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return out.to(self.device)
+
     def _policy_update(self, mb, ids, attention, mask, A, old_logprobs, ref_logprobs, temperature: float,
-                       token_advantages: bool) -> Dict[str, float]:
+                       token_advantages: bool, is_weights=None) -> Dict[str, float]:
         """One optimizer step of the policy on minibatch `mb` (row indices), in micro-batches
         whose gradients accumulate; returns the minibatch's metrics. `A` is one advantage per
         row, or per token with `token_advantages` (PPO, whose KL is in the reward, not here)."""
@@ -278,6 +303,7 @@ class LearnerRank:
                 # Dr. GRPO divides by a constant, the longest completion allowed.
                 loss_agg=self.algo["loss_agg"], max_length=self.algo["max_length"],
                 ratio_level=self.algo["ratio_level"], num_tokens=num_tokens,
+                is_weights=None if is_weights is None else is_weights[micro, :T - 1],
             )
             weight = 1.0 if num_tokens is not None or len(micros) == 1 else rows[j] / total_rows
             self.engine.backward(loss * weight if weight != 1.0 else loss)
@@ -353,35 +379,68 @@ class LearnerRank:
         return float((stats[1] / stats[2] - mean * mean).clamp(min=0).sqrt())
 
     # ---- weight sync (sender side) and export ---------------------------------------------
+    def _sync_tensors(self) -> Dict[str, "torch.Tensor"]:
+        """What vLLM loads, by checkpoint name: every state_dict entry. A tied output head is
+        sent too, as the embedding it shares: vLLM's layerwise reload expects its own copy and
+        otherwise keeps the old one (measured: greedy outputs then differ)."""
+        module = self.engine.module
+        tensors = dict(module.named_parameters(remove_duplicate=False))
+        tensors.update(module.named_buffers(remove_duplicate=False))
+        # state_dict's keys only: under ZeRO-3 its values are empty placeholders.
+        return {name: tensors[name] for name in module.state_dict().keys()}
+
+    def _gathered(self, params):
+        """Full copies of `params` for the duration (ZeRO-3 only; other stages hold them whole)."""
+        if self.cfg["zero_stage"] != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")],
+                                                 modifier_rank=None)
+
     def weight_spec(self, dtype: str, bucket_mb: float) -> dict:
-        with self._full_state():
-            named = list(self.engine.module.state_dict().items())
-            return weight_sync.make_spec(named, dtype, bucket_mb).to_wire()
+        # ZeRO-3 placeholders carry their full shape (ds_shape): no gather needed to describe them.
+        return weight_sync.make_spec(list(self._sync_tensors().items()), dtype, bucket_mb).to_wire()
 
     def sync_address(self) -> tuple:
-        """Where the sync group's rendezvous (hosted by this rank) will listen."""
-        return node_ip(), free_port()
+        """Where the sync group's rendezvous (hosted by this rank) will listen, and its backend:
+        NCCL when the learner is on a GPU."""
+        return node_ip(), free_port(), "nccl" if self.on_gpu else "gloo"
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        self.sync_group = weight_sync.join_group(host, port, 0, world_size, timeout_s)
+    def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, backend: str) -> None:
+        self.sync_group = weight_sync.join_group(host, port, 0, world_size, timeout_s, backend)
 
     def broadcast_weights(self, wire_spec: dict) -> Dict[str, float]:
-        """Rank 0 packs the full weights into buckets and broadcasts each once to every worker.
+        """Rank 0 packs the weights into buckets and broadcasts each once to every worker.
 
-        Under ZeRO-3 every rank must enter the gather, so all ranks call this; only rank 0 sends.
+        Under ZeRO-3 each bucket's parameters are gathered just for that bucket and released
+        after it (every rank joins each gather, only rank 0 sends): the sync never holds the
+        whole model twice. `sync_gathered_max_mb` reports the most that was gathered at once.
         """
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
+        named = self._sync_tensors()
         start = time.perf_counter()
-        with self._full_state():
-            if self.rank == 0:
-                state = self.engine.module.state_dict()
-                for bucket in spec.buckets():
-                    flat = weight_sync.pack([state[t.name] for t in bucket], spec.dtype)
-                    # The sync group is gloo (CPU tensors) for now; NCCL on GPUs is issue 4's.
-                    weight_sync.broadcast(self.sync_group, flat.cpu())
+        gathered_max = 0
+        for bucket in spec.buckets():
+            tensors = [named[t.name] for t in bucket]
+            with self._gathered(tensors):
+                gathered_max = max(gathered_max, self._gathered_bytes())
+                if self.rank == 0:
+                    flat = weight_sync.pack(tensors, spec.dtype).to(self.sync_group.device)
+                    weight_sync.broadcast(self.sync_group, flat)
         seconds = time.perf_counter() - start
         return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
-                "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9}
+                "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9,
+                "sync_gathered_max_mb": gathered_max / 2**20}
+
+    def _gathered_bytes(self) -> int:
+        """Bytes of full parameters this rank holds right now (ZeRO-3: only those gathered)."""
+        params = list(self.engine.module.parameters())
+        if self.cfg["zero_stage"] == 3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            params = [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+        return sum(p.numel() * p.element_size() for p in params)
 
     def save_pretrained(self, folder: str) -> Optional[str]:
         """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's gather)."""

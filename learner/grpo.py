@@ -83,11 +83,32 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: flo
     return -penalty * (over / buffer).clamp(max=1.0)
 
 
+def truncated_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
+                         cap: float) -> Tuple[Tensor, Dict[str, float]]:
+    """Per-token min(pi_old / pi_sampler, cap) (truncated importance sampling, as in veRL's TIS
+    and IMPALA's truncated rho): corrects the surrogate for samples drawn by a sampler whose
+    weights lag the learner's (async mode) or whose numbers differ (vLLM vs training kernels),
+    with the variance bounded by `cap`. Positions outside `mask` get 1."""
+    mask = mask.bool()
+    log_w = torch.where(mask, old_logprobs - sampler_logprobs, torch.zeros_like(old_logprobs))
+    w = torch.exp(log_w)
+    capped = w > cap
+    w = torch.where(mask, w.clamp(max=cap), torch.ones_like(w))
+    with torch.no_grad():
+        metrics = {
+            "is_weight_mean": masked_mean(w, mask).item(),
+            "is_capped_fraction": masked_mean(capped.to(w.dtype), mask).item(),
+            "sampler_logprob_gap": masked_mean(log_w.abs(), mask).item(),
+        }
+    return w.detach(), metrics
+
+
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[Tensor],
                 advantages: Tensor, mask: Tensor, *, clip_low: float = 0.2,
                 clip_high: float = 0.2, beta: float = 0.04, kl_estimator: str = "k3",
                 loss_agg: str = "seq-mean-token-mean", max_length: Optional[int] = None,
                 ratio_level: str = "token", num_tokens: Optional[float] = None,
+                is_weights: Optional[Tensor] = None,
                 ) -> Tuple[Tensor, Dict[str, float]]:
     """Clipped GRPO loss -(surrogate - beta*KL) over completion tokens, aggregated by loss_agg.
 
@@ -97,6 +118,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
     `num_tokens` replaces the token count that token-mean divides by: with data-parallel
     ranks, the whole batch's count divided by the number of ranks, so that averaging the
     ranks' gradients gives the mean over every token of the batch, not a mean of means.
+    `is_weights` [N, T] (no gradient) multiply each token's surrogate: truncated importance
+    weights pi_old / pi_sampler for samples drawn by other weights than pi_old (see
+    `truncated_is_weights`); the KL term is not weighted.
     """
     _check("loss_agg", loss_agg, LOSS_AGGS)
     _check("ratio_level", ratio_level, RATIO_LEVELS)
@@ -120,6 +144,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
         A = A.unsqueeze(1)                                    # [N, 1], broadcast over tokens
     # [N, T]: one advantage per token (PPO's GAE)
     surrogate = torch.min(rho * A, torch.clamp(rho, 1 - clip_low, 1 + clip_high) * A)
+    if is_weights is not None:
+        surrogate = surrogate * torch.where(mask, is_weights.detach().to(surrogate.dtype), zero)
     per_token = -surrogate
     if beta != 0:
         kl = kl_penalty(torch.where(mask, logprobs, zero),

@@ -7,17 +7,16 @@ task's own return values, owned by the caller: an actor that dies later loses no
 scored. Actors restart on failure (`max_restarts=-1`) and Ray re-runs the call that was in
 flight (`max_task_retries`); scoring is a pure function of the text, so a re-run gives the same
 scores and each completion ends up with exactly one.
-`reward/` imports no other room: groups are read and written by attribute (prompt,
-completions, answer, fields; rewards, scores, timed_out).
+`reward/` imports no other room but the ground-floor dispatcher: groups are read and written by
+attribute (prompt, completions, answer, fields; rewards, scores, timed_out).
 """
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import ray
 
+from cluster.dispatch import as_list, chunk_size, dispatch
 from reward.registry import VerifierSettings
 from reward.scorer import Item, Outcome, Scorer
 
@@ -113,41 +112,13 @@ class VerifierPool:
         ray.get([w.pid.remote() for w in self.workers])
 
     def _dispatch(self, method: str, payload: Sequence[Any], chunks_per_worker: int = 4):
-        """Run `method` over `payload` in chunks on whichever worker is free.
+        """Run `method` over `payload` in chunks on whichever worker is free: (one result ref
+        per payload entry, in order; summed stats)."""
+        def submit(worker, items):
+            return as_list(getattr(worker, method).options(num_returns=len(items) + 1).remote(*items))
 
-        Returns (one result ref per payload entry, in order; summed stats). A stat whose name
-        starts with `per_item/` is a list with one value per payload entry instead of a sum.
-        """
-        n = len(payload)
-        out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
-        total = empty_stats(self.names)
-        if n == 0:
-            return out, total
-        size = max(1, math.ceil(n / (len(self.workers) * chunks_per_worker)))
-        queue = deque(range(start, min(start + size, n)) for start in range(0, n, size))
-        idle = list(range(len(self.workers)))
-        running: Dict[ray.ObjectRef, Tuple[int, range, List[ray.ObjectRef]]] = {}
-        while queue or running:
-            while queue and idle:
-                w, chunk = idle.pop(), queue.popleft()
-                refs = getattr(self.workers[w], method).options(num_returns=len(chunk) + 1).remote(
-                    *[payload[i] for i in chunk])
-                refs = refs if isinstance(refs, list) else [refs]
-                running[refs[-1]] = (w, chunk, refs[:-1])
-            done, _ = ray.wait(list(running), num_returns=1)
-            w, chunk, refs = running.pop(done[0])
-            stats = ray.get(done[0])  # raises if the actor failed more than TASK_RETRIES times
-            for key, value in stats.items():
-                if key.startswith("per_item/"):
-                    column = total.setdefault(key, [None] * n)
-                    for i, v in zip(chunk, value):
-                        column[i] = v
-                else:
-                    total[key] = total.get(key, 0.0) + value
-            for i, ref in zip(chunk, refs):
-                out[i] = ref
-            idle.append(w)
-        return out, total
+        return dispatch(self.workers, submit, payload, chunk_size(len(payload), len(self.workers), chunks_per_worker),
+                        empty_stats(self.names))
 
     def score(self, group_refs: Sequence[ray.ObjectRef]) -> Tuple[List[ray.ObjectRef], Dict[str, float]]:
         """Scored group refs (same order) and summed stats over every completion."""

@@ -1,10 +1,11 @@
-"""The generation workers as one group: start them, split prompts over them, collect references."""
+"""The generation workers as one group: start them, hand out prompts in chunks, collect references."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import ray
 
+from cluster.dispatch import as_list, chunk_size, dispatch
 from rollout.datasets import Problem
 from rollout.worker import GenerationWorker
 
@@ -13,30 +14,33 @@ class RolloutPool:
     def __init__(self, model_path: str, rollout_cfg: dict, num_workers: int, seed: int,
                  num_cpus: float, num_gpus: float):
         actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(GenerationWorker)
+        self.cfg = rollout_cfg
         self.workers = [actor.remote(model_path, rollout_cfg, seed + i) for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])
 
-    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int) -> List[ray.ObjectRef]:
-        """Refs to one PromptGroup per (index, Problem) in `batch`, in order.
+    @property
+    def sync_ranks(self) -> int:
+        """Members of the weight-sync group per worker: one per tensor-parallel rank."""
+        return self.cfg["tensor_parallel_size"]
 
-        Equal strided shares, one per worker: in synchronous mode every worker then has the
-        same amount of work (and the same version of the weights).
+    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int
+                 ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
+        """Refs to one PromptGroup per (index, Problem) in `batch`, in order, and the stats
+        (completions, completion_tokens, per_item/policy_version).
+
+        The batch is cut into chunks handed to whichever worker is free. A seed per (step,
+        prompt) makes a prompt's samples the same whichever worker draws it, and no two prompts
+        share a random stream.
         """
-        num = len(self.workers)
-        calls = []
-        for w, worker in enumerate(self.workers):
-            positions = list(range(w, len(batch), num))
-            if not positions:
-                continue
-            prompts = [(batch[i][0], batch[i][1].prompt, batch[i][1].answer, batch[i][1].fields) for i in positions]
-            # A seed per (step, prompt): reruns reproduce, and no two prompts share a stream.
-            seeds = [hash((seed, p[0])) % (2**31) for p in prompts]
-            calls.append((positions, worker.generate.remote(prompts, n, greedy, seeds)))
-        refs: List[ray.ObjectRef] = [None] * len(batch)  # type: ignore[list-item]
-        for positions, call in calls:
-            for i, ref in zip(positions, ray.get(call)):
-                refs[i] = ref
-        return refs
+        prompts = [(index, problem.prompt, problem.answer, problem.fields) for index, problem in batch]
+        seeds = {p[0]: hash((seed, p[0])) % (2**31) for p in prompts}
+
+        def submit(worker, chunk):
+            return as_list(worker.generate.options(num_returns=len(chunk) + 1).remote(
+                *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk]))
+
+        size = chunk_size(len(prompts), len(self.workers), self.cfg["chunks_per_worker"])
+        return dispatch(self.workers, submit, prompts, size, {})
 
     def versions(self) -> List[int]:
         return ray.get([w.ready.remote() for w in self.workers])

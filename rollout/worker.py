@@ -1,14 +1,14 @@
 """vLLM generation workers: Ray actors that sample G completions per prompt with the current policy.
 
-Each worker puts every prompt group it makes into the Ray object store itself and returns only
-the references, so the payloads go from worker to learner without passing through the driver.
+A call returns each prompt group as its own return value (stored in the object store and owned
+by the caller, so a worker that dies later loses nothing it finished), then one dict of stats.
+The payloads go from worker to learner without the driver ever fetching them.
 """
 from __future__ import annotations
 
 import os
-from typing import List, Sequence, Tuple
-
-import ray
+import time
+from typing import Any, Dict, List, Sequence, Tuple
 
 from cluster.prompt_group import PromptGroup
 
@@ -28,35 +28,46 @@ class GenerationWorker:
             dtype=rollout_cfg["dtype"],
             max_model_len=rollout_cfg["max_model_len"],
             gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"],
+            tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
             enforce_eager=True,
             seed=seed,
             worker_extension_cls=RECEIVER_CLASS,
+            # Log-probs of the distribution actually sampled from (after temperature, top-k,
+            # top-p): the behaviour policy of the importance weights in the loss.
+            logprobs_mode="processed_logprobs",
         )
         self.policy_version = 0
 
     def ready(self) -> int:
         return self.policy_version
 
-    def generate(self, prompts: Sequence[Tuple[int, str, str, dict]], n: int, greedy: bool,
-                 seeds: Sequence[int]) -> List[ray.ObjectRef]:
-        """Sample `n` completions for each (index, prompt, answer, row fields); one seed per prompt
-        makes it reproducible."""
+    def sampling_params(self, n: int, greedy: bool, seed: int):
         from vllm import SamplingParams
 
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=0.0 if greedy else self.cfg["temperature"],
-                top_p=1.0 if greedy else self.cfg["top_p"],
-                max_tokens=self.cfg["max_new_tokens"],
-                seed=seed,
-            )
-            for seed in seeds
-        ]
+        c = self.cfg
+        return SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else c["temperature"],
+            top_p=1.0 if greedy else c["top_p"],
+            top_k=0 if greedy else c["top_k"],
+            max_tokens=c["max_new_tokens"],
+            stop=list(c["stop"]) or None,
+            include_stop_str_in_output=c["include_stop_str"],
+            seed=seed,
+            logprobs=None if greedy else 0,  # 0: just the sampled token's log-prob
+        )
+
+    def generate(self, *prompts: Tuple[int, str, str, dict], n: int, greedy: bool,
+                 seeds: Sequence[int]) -> Tuple[Any, ...]:
+        """Sample `n` completions for each (index, prompt, answer, row fields); one seed per
+        prompt makes it reproducible whichever worker runs it. Returns the groups, then stats."""
+        start = time.perf_counter()
+        version = self.policy_version  # weights change only between calls, never during one
+        params = [self.sampling_params(n, greedy, seed) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
-        refs = []
+        groups: List[PromptGroup] = []
         for (index, prompt, answer, fields), out in zip(prompts, outputs):
-            group = PromptGroup(
+            groups.append(PromptGroup(
                 index=index,
                 prompt=prompt,
                 answer=answer,
@@ -65,17 +76,34 @@ class GenerationWorker:
                 completions=[c.text for c in out.outputs],
                 completion_ids=[list(c.token_ids) for c in out.outputs],
                 finish_reasons=[c.finish_reason or "length" for c in out.outputs],
-                policy_version=self.policy_version,
-            )
-            refs.append(ray.put(group))
-        return refs
+                policy_version=version,
+                sampler_logprobs=None if greedy else [_sampled_logprobs(c) for c in out.outputs],
+            ))
+        stats: Dict[str, Any] = {
+            "completions": float(sum(g.group_size for g in groups)),
+            "completion_tokens": float(sum(len(ids) for g in groups for ids in g.completion_ids)),
+            "max/generate_call_seconds": time.perf_counter() - start,
+            "per_item/policy_version": [version] * len(groups),
+        }
+        return (*groups, stats)
 
-    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        self.llm.collective_rpc("init_weight_sync", args=(host, port, rank, world_size, timeout_s))
+    def prompt_logprobs(self, prompts: Sequence[str]) -> List[List[float]]:
+        """log p(token_t | tokens_<t) of each prompt's tokens after the first (for exactness tests)."""
+        from vllm import SamplingParams
+
+        outputs = self.llm.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                                    use_tqdm=False)
+        return [[float(step[token].logprob) for token, step in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+                for o in outputs]
+
+    def init_weight_sync(self, host: str, port: int, base_rank: int, world_size: int, timeout_s: float,
+                         backend: str) -> None:
+        """Every vLLM worker process of this engine (one per tensor-parallel rank) joins the group."""
+        self.llm.collective_rpc("init_weight_sync", args=(host, port, base_rank, world_size, timeout_s, backend))
 
     def receive_weights(self, wire_spec: dict, version: int) -> dict:
         """Load new weights from the sync group; report the version now held."""
-        timings = self.llm.collective_rpc("receive_weights", args=(wire_spec,))[0]
+        timings = max(self.llm.collective_rpc("receive_weights", args=(wire_spec,)), key=lambda t: t["load_s"])
         # Cached prefixes were computed by the old weights: drop them or they leak into new samples.
         self.llm.reset_prefix_cache()
         self.policy_version = version
@@ -83,3 +111,8 @@ class GenerationWorker:
 
     def weights_checksum(self) -> float:
         return self.llm.collective_rpc("weights_checksum")[0]
+
+
+def _sampled_logprobs(completion) -> List[float]:
+    """The sampler's log-prob of each token it chose (vLLM returns the chosen token's entry)."""
+    return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs or [])]

@@ -102,7 +102,7 @@ def test_export_writes_a_folder_transformers_and_vllm_load_with_the_trained_weig
 
     engine = ray.remote(num_cpus=0.1)(GenerationWorker).remote(str(target), asdict(system_cfg.rollout), 0)
     try:
-        (group,) = ray.get(ray.get(engine.generate.remote([(0, "12+34=", "46", {})], 1, True, [0])))
+        group, _stats = ray.get(engine.generate.remote((0, "12+34=", "46", {}), n=1, greedy=True, seeds=[0]))
         assert len(group.completion_ids[0]) > 0
     finally:
         ray.kill(engine)

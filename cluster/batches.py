@@ -1,0 +1,181 @@
+"""Where each step's scored prompt groups come from: made on demand (sync) or ahead (async).
+
+`collect` generates and scores one batch. In sync mode the driver calls it at the start of each
+step, with the weights the learner holds (on-policy). In async mode a background thread runs it
+for the next `trainer.async_lookahead` steps while the learner trains on this one; the weight
+push at the end of a step reaches each worker between two of its generation calls, so every
+group records the one policy version that made it. Groups older than `algo.max_staleness`
+versions are dropped and their prompts generated again with the current weights; the learner's
+truncated importance weights (`algo.is_cap`) correct for the staleness that remains.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+
+class Timer:
+    """Seconds spent in each named phase (summed when a phase runs more than once)."""
+
+    def __init__(self) -> None:
+        self.times: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class Batch:
+    """One step's scored prompt groups, by reference, and what it took to make them."""
+
+    refs: List[Any]
+    """ObjectRefs of the scored groups, in sampling order."""
+    items: List[tuple]
+    """(index, Problem) of each group: what to generate again if it turns out stale."""
+    versions: List[int]
+    """Policy version that generated each group."""
+    reward_stats: Dict[str, Any]
+    metrics: Dict[str, float]
+    times: Dict[str, float]
+    sampler_state: Dict[str, int] = field(default_factory=dict)
+    """The prompt sampler's state before this batch was drawn (a checkpoint taken before this
+    batch is trained resumes from here, so no prompt is lost or repeated)."""
+
+
+def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, items=None) -> Batch:
+    """Generate and score one batch of prompt groups.
+
+    With DAPO's dynamic sampling, groups whose rewards are all equal (zero advantage) are
+    dropped and more prompts are generated, up to `algo.max_sampling_rounds` rounds; if the
+    batch is still short, dropped groups fill it (they add nothing to the gradient).
+    `items` regenerates given prompts instead of drawing new ones (stale groups).
+    """
+    timer = Timer()
+    size = cfg.trainer.prompts_per_step if items is None else len(items)
+    state = sampler.state_dict()
+    rounds = cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling and items is None else 1
+    kept: List[tuple] = []
+    spare: List[tuple] = []
+    totals: Dict[str, Any] = {}
+    gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0}
+    for round_ in range(rounds):
+        batch = items if items is not None else sampler.next_batch(size - len(kept))
+        # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
+        seed = cfg.trainer.seed * 1_000_003 + step + round_ * 1_000_000_007 if round_seed is None else round_seed
+        with timer("time_generate"):
+            refs, gen = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False, seed=seed)
+        with timer("time_reward"):
+            scored, stats = roles.verifiers.score(refs)
+        informative = stats.pop("per_item/informative")
+        totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
+        gen_totals = {k: gen_totals[k] + gen[k] for k in gen_totals}
+        rows = list(zip(scored, batch, gen["per_item/policy_version"], informative))
+        if not cfg.algo.dynamic_sampling or items is not None:
+            kept = rows
+            break
+        kept += [r for r in rows if r[3]]
+        spare += [r for r in rows if not r[3]]
+        if len(kept) >= size:
+            break
+    metrics = dict(gen_totals)
+    if cfg.algo.dynamic_sampling and items is None:
+        filled = max(size - len(kept), 0)
+        metrics.update({"dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
+                        "sampling_rounds": float(round_ + 1)})
+        kept = (kept + spare[:filled])[:size]
+    return Batch(refs=[r[0] for r in kept], items=[r[1] for r in kept], versions=[r[2] for r in kept],
+                 reward_stats=totals, metrics=metrics, times=timer.times, sampler_state=state)
+
+
+def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles, sampler, cfg) -> Dict[str, float]:
+    """Replace the groups more than `max_staleness` versions older than `version` (the learner's
+    weights) by groups generated again now; returns the staleness metrics of what is trained."""
+    stale = [i for i, v in enumerate(batch.versions) if version - v > max_staleness]
+    if stale:
+        fresh = collect(step, roles, sampler, cfg, round_seed=cfg.trainer.seed * 1_000_003 + step + 7_777_777,
+                        items=[batch.items[i] for i in stale])
+        for j, i in enumerate(stale):
+            batch.refs[i], batch.versions[i] = fresh.refs[j], fresh.versions[j]
+        batch.reward_stats = {k: batch.reward_stats[k] + fresh.reward_stats[k] for k in batch.reward_stats}
+        for key, value in fresh.times.items():
+            batch.times[key] = batch.times.get(key, 0.0) + value
+        for key in ("completions", "completion_tokens"):
+            batch.metrics[key] += fresh.metrics[key]
+    staleness = [version - v for v in batch.versions]
+    return {"staleness_max": float(max(staleness)), "staleness_mean": sum(staleness) / len(staleness),
+            "dropped_stale": float(len(stale))}
+
+
+class SyncBatches:
+    """On-policy: each batch is generated when its step starts, with the learner's weights."""
+
+    def __init__(self, roles, sampler, cfg):
+        self.roles, self.sampler, self.cfg = roles, sampler, cfg
+
+    def next(self, step: int) -> Batch:
+        return collect(step, self.roles, self.sampler, self.cfg)
+
+    def resume_state(self) -> Dict[str, int]:
+        return self.sampler.state_dict()
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncBatches:
+    """Off-policy by a bounded amount: batches for the next `lookahead` steps are generated and
+    scored in a background thread while the learner trains (Ray calls are thread-safe)."""
+
+    def __init__(self, roles, sampler, cfg, first_step: int, last_step: int, lookahead: int):
+        self.roles, self.sampler, self.cfg = roles, sampler, cfg
+        self.last_step, self.lookahead = last_step, lookahead
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self.pending: Deque[tuple] = deque()  # (step, future, started event, sampler state holder)
+        self.next_step = first_step
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self.pending) < self.lookahead and self.next_step <= self.last_step:
+            started, holder = threading.Event(), {}
+            step = self.next_step
+
+            def job(step=step, started=started, holder=holder) -> Batch:
+                holder["state"] = self.sampler.state_dict()
+                started.set()
+                return collect(step, self.roles, self.sampler, self.cfg)
+
+            self.pending.append((step, self.executor.submit(job), started, holder))
+            self.next_step += 1
+
+    def next(self, step: int) -> Batch:
+        pending_step, future, _, _ = self.pending.popleft()
+        assert pending_step == step, f"async batches out of order: {pending_step} for step {step}"
+        batch: Batch = future.result()
+        self._fill()  # the next batches start generating before this one is trained
+        return batch
+
+    def resume_state(self) -> Dict[str, int]:
+        """The sampler's state before the oldest batch not yet trained (it is thrown away and
+        drawn again on resume)."""
+        if not self.pending:
+            return self.sampler.state_dict()
+        _, future, started, holder = self.pending[0]
+        started.wait()
+        return holder["state"]
+
+    def close(self) -> None:
+        for _, future, _, _ in self.pending:
+            future.cancel()
+        for _, future, started, _ in self.pending:
+            if started.is_set():
+                with contextlib.suppress(Exception):
+                    future.result()  # let a running job end before the actors go away
+        self.executor.shutdown(wait=True)

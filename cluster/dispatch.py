@@ -1,0 +1,66 @@
+"""Chunked work dispatch over a pool of Ray actors: each chunk goes to whichever actor is free.
+
+A fixed share per actor waits on the unluckiest share (long completions, slow verifiers); handing
+out small chunks as actors free up makes the pool finish when the work does. Each call returns
+its chunk's results as separate return values (so they are owned by the caller and outlive the
+actor) followed by one dict of stats, summed over chunks. A stat named `per_item/...` is a list
+with one value per item instead of a sum.
+
+Ground floor: imports only Ray (rollout/ and reward/ both use it).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import ray
+
+Submit = Callable[[Any, List[Any]], List[ray.ObjectRef]]
+"""submit(actor, items) -> refs: one per item, then one to the chunk's stats."""
+
+
+def chunk_size(num_items: int, num_actors: int, chunks_per_actor: int) -> int:
+    return max(1, math.ceil(num_items / (max(num_actors, 1) * chunks_per_actor)))
+
+
+def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: int,
+             stats: Dict[str, Any]) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
+    """Run `items` in chunks of `size` on whichever actor is free; returns (one result ref per
+    item, in order; `stats` with every chunk's stats added)."""
+    n = len(items)
+    out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
+    if n == 0:
+        return out, stats
+    queue = deque(range(start, min(start + size, n)) for start in range(0, n, size))
+    idle = list(range(len(actors)))[::-1]
+    running: Dict[ray.ObjectRef, Tuple[int, range, List[ray.ObjectRef]]] = {}
+    while queue or running:
+        while queue and idle:
+            a, chunk = idle.pop(), queue.popleft()
+            refs = submit(actors[a], [items[i] for i in chunk])
+            running[refs[-1]] = (a, chunk, refs[:-1])
+        done, _ = ray.wait(list(running), num_returns=1)
+        a, chunk, refs = running.pop(done[0])
+        add_stats(stats, ray.get(done[0]), chunk, n)  # raises if the actor's call failed for good
+        for i, ref in zip(chunk, refs):
+            out[i] = ref
+        idle.append(a)
+    return out, stats
+
+
+def add_stats(total: Dict[str, Any], stats: Dict[str, Any], positions: Sequence[int], n: int) -> None:
+    for key, value in stats.items():
+        if key.startswith("per_item/"):
+            column = total.setdefault(key, [None] * n)
+            for i, v in zip(positions, value):
+                column[i] = v
+        elif key.startswith("max/"):
+            total[key] = max(total.get(key, value), value)
+        else:
+            total[key] = total.get(key, 0.0) + value
+
+
+def as_list(refs) -> List[ray.ObjectRef]:
+    """`num_returns=1` gives a bare ref, more give a list."""
+    return refs if isinstance(refs, list) else [refs]

@@ -1,0 +1,103 @@
+"""The weight-sync channel, exactly: after a push, each of two generation workers holds what a
+fresh vLLM engine loaded from the learner's saved weights holds (same greedy outputs, same
+prompt log-probs, same parameters), for a model with tied embeddings and one without, from
+ZeRO-2 and from ZeRO-3 learners. Real Ray, vLLM (CPU build), DeepSpeed over gloo."""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict
+
+import pytest
+import ray
+
+from cluster.sync_channel import WeightSyncChannel, WeightSyncError
+from learner.group import LearnerGroup
+from rollout.datasets import load_problems
+from rollout.pool import RolloutPool
+from rollout.worker import GenerationWorker
+
+PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
+
+
+def _cfg(system_cfg, tied: bool):
+    from cluster.train import resolve_model
+
+    cfg = copy.deepcopy(system_cfg)
+    cfg.model.tie_word_embeddings = tied
+    cfg.model.path = None
+    cfg.model.path = resolve_model(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def model_and_workers(request, ray_session, system_cfg):
+    cfg = _cfg(system_cfg, request.param)
+    pool = RolloutPool(cfg.model.path, asdict(cfg.rollout), 2, 0, 0.5, 0)
+    yield cfg, pool
+    pool.shutdown()
+
+
+def _learner(cfg, zero_stage: int) -> LearnerGroup:
+    learner_cfg = {**asdict(cfg.learner), "zero_stage": zero_stage, "num_ranks": 2,
+                   # DeepSpeed keeps parameters under 1e5 elements whole by default: every one
+                   # of the tiny model's. Partition them all, as a large model's would be.
+                   "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
+    learner = LearnerGroup(cfg.model.path, learner_cfg, algo, 0)
+    train_set = load_problems(cfg.data, 0).train
+    learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
+    learner.warmup(3, 16, 3e-3, 0)  # weights that differ from the engines' initial ones
+    return learner
+
+
+def _greedy(worker):
+    prompts = [(i, p, "", {}) for i, p in enumerate(PROMPTS)]
+    out = ray.get(worker.generate.remote(*prompts, n=1, greedy=True, seeds=[0] * len(prompts)))
+    return [g.completion_ids for g in out[:-1]]
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, zero_stage, tmp_path):
+    cfg, pool = model_and_workers
+    learner = _learner(cfg, zero_stage)
+    try:
+        # Small buckets: several broadcasts, and under ZeRO-3 several gathers.
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+        metrics = channel.push(7)
+        assert pool.versions() == [7, 7]
+        folder = learner.save_pretrained(str(tmp_path / "saved"))
+    finally:
+        learner.shutdown()
+    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, asdict(cfg.rollout), 123)
+    try:
+        expected = (_greedy(fresh), ray.get(fresh.prompt_logprobs.remote(PROMPTS)),
+                    ray.get(fresh.weights_checksum.remote()))
+        for worker in pool.workers:
+            got = (_greedy(worker), ray.get(worker.prompt_logprobs.remote(PROMPTS)),
+                   ray.get(worker.weights_checksum.remote()))
+            assert got[0] == expected[0], "greedy outputs differ from a fresh engine's"
+            assert got[1] == expected[1], "prompt log-probs differ from a fresh engine's"
+            assert got[2] == expected[2], "parameters differ from a fresh engine's"
+    finally:
+        ray.kill(fresh)
+    model_mb = metrics["sync_bytes"] / 2**20
+    if zero_stage == 3:
+        # Gathered one bucket at a time: never the whole model at once (let alone two copies).
+        assert metrics["sync_gathered_max_mb"] < model_mb / 2, metrics
+    assert metrics["sync_bytes"] > 0 and metrics["sync_gbps"] > 0
+
+
+def test_a_sync_to_a_dead_worker_ends_in_an_error_not_a_hang(ray_session, system_cfg):
+    cfg = system_cfg
+    learner = _learner(cfg, 2)
+    pool = RolloutPool(cfg.model.path, asdict(cfg.rollout), 1, 0, 0.5, 0)
+    try:
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=1, timeout_s=5)
+        channel.push(1)
+        ray.kill(pool.workers[0])
+        # Bounded by sync.timeout_s: an error that names the sync, not a hang.
+        with pytest.raises(WeightSyncError, match="weight sync to version 2"):
+            channel.push(2)
+    finally:
+        learner.shutdown()
+        pool.shutdown()
