@@ -123,6 +123,11 @@ class SyncBatches:
     def next(self, step: int) -> Batch:
         return collect(step, self.roles, self.sampler, self.cfg)
 
+    @property
+    def ahead(self) -> int:
+        """Batches being generated or waiting beyond the one in training."""
+        return 0
+
     def resume_state(self) -> Dict[str, int]:
         return self.sampler.state_dict()
 
@@ -161,6 +166,10 @@ class AsyncBatches:
         batch: Batch = future.result()
         self._fill()  # the next batches start generating before this one is trained
         return batch
+
+    @property
+    def ahead(self) -> int:
+        return len(self.pending)
 
     def resume_state(self) -> Dict[str, int]:
         """The sampler's state before the oldest batch not yet trained (it is thrown away and

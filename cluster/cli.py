@@ -25,6 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--input", required=True, help="JSONL rows {prompt, completion, answer[, tests]}")
     verify.add_argument("--output", required=True, help="JSONL: each input row plus scores, reward, timed_out")
     verify.add_argument("overrides", nargs="*", help="reward.* settings, e.g. reward.timeout_s=2")
+    submit = sub.add_parser("submit", help="submit `grpo train` as a Ray job to a cluster and follow its logs")
+    submit.add_argument("--address", default=None,
+                        help="the cluster's dashboard, e.g. http://HEAD:8265 (default: RAY_API_SERVER_ADDRESS "
+                             "or http://127.0.0.1:8265)")
+    submit.add_argument("--no-follow", action="store_true", help="print the job id and return")
+    submit.add_argument("--job-id", default=None, help="a submission id of your own (must be new)")
+    submit.add_argument("overrides", nargs="*", help="the same overrides as grpo train")
+    jobs = sub.add_parser("jobs", help="status, logs or stop of a submitted job")
+    jobs.add_argument("action", choices=["status", "logs", "stop"])
+    jobs.add_argument("job_id")
+    jobs.add_argument("--address", default=None, help="the cluster's dashboard (as for submit)")
+    jobs.add_argument("--follow", action="store_true", help="logs: stream until the job ends")
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder")
     export.add_argument("checkpoint", help="a runs/<name>/checkpoints/step-N folder")
     export.add_argument("folder", help="where to write config.json, model.safetensors and the tokenizer")
@@ -50,6 +62,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ValueError as exc:
             return _fail(str(exc))
         return 0
+    if args.command in ("submit", "jobs"):
+        return _jobs(args)
     try:
         if args.command == "verify":
             from cluster.verify import VerifyInputError, verify
@@ -76,6 +90,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     return 0
+
+
+def _jobs(args) -> int:
+    """submit / jobs: bad config, an unreachable address, a refused token or an unknown job id
+    are bad input (exit 2, one line)."""
+    from cluster.compose import ConfigError
+    from cluster import jobs
+
+    try:
+        if args.command == "submit":
+            return jobs.submit(args.address, args.overrides, follow=not args.no_follow, submission_id=args.job_id)
+        return jobs.jobs_command(args.action, args.job_id, args.address, follow=args.follow)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        # The SDK raises these for an unreachable dashboard, a 401 (missing or wrong token) or
+        # an unknown job id; its messages run over several lines.
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return _fail(f"{args.command}: {first}")
 
 
 if __name__ == "__main__":

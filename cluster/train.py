@@ -122,6 +122,7 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         batch = batches.next(step)
         staleness = drop_stale(batch, version, cfg.algo.max_staleness, step, roles, batches.sampler, cfg)
     buffer.put(batch.refs, version)
+    occupancy = {"buffer_groups": float(len(buffer)), "batches_ahead": float(batches.ahead)}
     with timer("time_train"):
         learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
     with timer("time_weight_sync"):
@@ -138,6 +139,7 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         "generate_tokens_per_s": batch.metrics["completion_tokens"] / max(generate_seconds, 1e-9),
         "tokens_per_s": batch.metrics["completion_tokens"] / step_seconds,
         **staleness,
+        **occupancy,
         **learner_metrics,
         **sync_metrics,
         **batch.times,

@@ -98,12 +98,19 @@ class LearnerRank:
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
         return contextlib.nullcontext()
 
-    def _token_logprobs(self, model, input_ids, attention_mask, temperature: float = 1.0):
-        """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]."""
+    def _token_logprobs(self, model, input_ids, attention_mask, temperature: float = 1.0,
+                        entropy: bool = False):
+        """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]; with `entropy`, also the
+        policy's entropy at each of those positions (no gradient), as a pair."""
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
-        return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        log_p = torch.log_softmax(logits, dim=-1)
+        chosen = log_p.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        if not entropy:
+            return chosen
+        with torch.no_grad():
+            return chosen, -(log_p.exp() * log_p).sum(-1)
 
     def _pad(self, sequences: List[List[int]], completion_starts: List[int]):
         """Right-padded ids, attention mask, and the mask of completion tokens (as targets)."""
@@ -291,7 +298,8 @@ class LearnerRank:
             if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
                 self.engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
                 T = int(attention[micro].sum(dim=1).max())  # trim the padding it does not need
-            logprobs = self._token_logprobs(self.engine, ids[micro, :T], attention[micro, :T], temperature)
+            logprobs, entropy = self._token_logprobs(self.engine, ids[micro, :T], attention[micro, :T], temperature,
+                                                     entropy=True)
             loss, metrics = grpo.policy_loss(
                 logprobs,
                 logprobs.detach() if old_logprobs is None else old_logprobs[micro, :T - 1],
@@ -305,6 +313,7 @@ class LearnerRank:
                 ratio_level=self.algo["ratio_level"], num_tokens=num_tokens,
                 is_weights=None if is_weights is None else is_weights[micro, :T - 1],
             )
+            metrics["entropy"] = float(grpo.masked_mean(entropy, mask[micro, :T - 1]))
             weight = 1.0 if num_tokens is not None or len(micros) == 1 else rows[j] / total_rows
             self.engine.backward(loss * weight if weight != 1.0 else loss)
             for key, value in metrics.items():

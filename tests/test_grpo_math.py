@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from learner.grpo import compute_advantages, kl_penalty, masked_mean, overlong_penalty, policy_loss
+from learner.grpo import (compute_advantages, kl_penalty, masked_mean, overlong_penalty, policy_loss,
+                          truncated_is_weights)
 
 D = torch.float64
 
@@ -316,3 +317,38 @@ def test_errors():
         policy_loss(lp, old, None, adv, mask, beta=0.04)
     with pytest.raises(ValueError, match="shapes"):
         policy_loss(lp, old, ref, adv[:-1], mask)
+
+
+def test_truncated_is_weights_hand_worked():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.5, 0.05, 0.3], [0.6, 0.3, 0.1]]))
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    w, metrics = truncated_is_weights(old, sampler, mask, cap=2.0)
+    # ratios pi_old/pi_sampler: 1, 4 -> capped at 2, 3 -> capped at 2; 0.5, 1, (padding -> 1)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 2.0], [0.5, 1.0, 1.0]]))
+    assert not w.requires_grad
+    assert metrics["is_capped_fraction"] == pytest.approx(2 / 5)
+    assert metrics["is_weight_mean"] == pytest.approx((1 + 2 + 2 + 0.5 + 1) / 5)
+    gaps = [0, math.log(4), math.log(3), math.log(2), 0]
+    assert metrics["sampler_logprob_gap"] == pytest.approx(sum(gaps) / 5, rel=1e-6)
+
+
+def test_is_weights_scale_each_tokens_surrogate_but_not_the_kl():
+    torch.manual_seed(0)
+    N, T = 4, 5
+    logprobs = (torch.randn(N, T) * 0.1 - 1).requires_grad_()
+    old = logprobs.detach() + torch.randn(N, T) * 0.05
+    ref = logprobs.detach() + torch.randn(N, T) * 0.05
+    A = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mask = torch.ones(N, T, dtype=torch.bool)
+    ones = torch.ones(N, T)
+    base, _ = policy_loss(logprobs, old, ref, A, mask, beta=0.0)
+    same, _ = policy_loss(logprobs, old, ref, A, mask, beta=0.0, is_weights=ones)
+    assert torch.equal(base, same)  # weights of 1 change nothing
+    doubled, _ = policy_loss(logprobs, old, ref, A, mask, beta=0.0, is_weights=2 * ones)
+    torch.testing.assert_close(doubled, 2 * base)
+    # With the KL term on, only the surrogate part doubles.
+    with_kl, _ = policy_loss(logprobs, old, ref, A, mask, beta=0.1)
+    kl_only = with_kl - base
+    with_kl_doubled, _ = policy_loss(logprobs, old, ref, A, mask, beta=0.1, is_weights=2 * ones)
+    torch.testing.assert_close(with_kl_doubled, 2 * base + kl_only)

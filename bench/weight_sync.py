@@ -1,0 +1,203 @@
+"""Weight-sync bandwidth and fixed cost, and generation throughput in the system vs standalone vLLM.
+
+    .venv/bin/python bench/weight_sync.py [--sizes 10M 100M 500M] [--pushes 5]
+
+Part 1, for each model size: one DeepSpeed learner rank (ZeRO-2) and two vLLM generation actors,
+joined by the real sync channel (`sync.bucket_mb`, gloo on this CPU machine). Each push is timed
+end to end (driver's view: until both workers report the new version, loading included), and
+the learner's side alone (pack + broadcast: `sync_gbps`). Next to it, in the same process, a
+plain memory copy of the same number of bytes (torch `copy_`), the ceiling of any transfer on
+one machine. The fixed cost per sync is the intercept of a least-squares line through the
+end-to-end times against bytes.
+
+Part 2: completion tokens/s of the rollout pool (two workers, chunks to whichever is free) on
+the built-in model, next to one standalone vLLM engine (a plain `vllm.LLM` in its own process)
+given the same prompts, sampling settings and seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def count_params(folder: str) -> int:
+    """Parameters stored in the model folder (a tied head is stored once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+    return total
+
+
+def sync_size(size: str, cache: str, pushes: int, bucket_mb: float) -> dict:
+    from bench.model_sizes import build
+    from cluster.compose import load_config
+    from cluster.sync_channel import WeightSyncChannel
+    from learner.group import LearnerGroup
+    from rollout.pool import RolloutPool
+
+    cfg = load_config([])
+    model = build(size, cache)
+    learner_cfg = {**asdict(cfg.learner), "num_ranks": 1, "zero_stage": 2}
+    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
+    rollout_cfg = {**asdict(cfg.rollout), "max_model_len": 256, "kv_cache_gib": 1}
+    learner = LearnerGroup(model, learner_cfg, algo, 0)
+    pool = RolloutPool(model, rollout_cfg, 2, 0, 0.5, 0)
+    try:
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb, timeout_s=600)
+        channel.push(1)  # warm: first broadcasts, first reload
+        walls, learner_side = [], []
+        for version in range(2, pushes + 2):
+            start = time.perf_counter()
+            metrics = channel.push(version)
+            walls.append(time.perf_counter() - start)
+            learner_side.append(metrics["sync_seconds"])
+        num_bytes = metrics["sync_bytes"]
+    finally:
+        learner.shutdown()
+        pool.shutdown()
+    params = count_params(model)
+    return {
+        "size": size, "params_m": params / 1e6, "bytes": num_bytes,
+        "push_s": statistics.median(walls), "learner_s": statistics.median(learner_side),
+        "push_gbps": num_bytes / statistics.median(walls) / 1e9,
+        "learner_gbps": num_bytes / statistics.median(learner_side) / 1e9,
+        "memcpy_gbps": memcpy_gbps(num_bytes),
+    }
+
+
+STANDALONE = r"""
+import json, os, sys, time
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["model"], dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+params = [SamplingParams(n=args["n"], temperature=1.0, max_tokens=args["max_tokens"], seed=s) for s in args["seeds"]]
+llm.generate(args["prompts"][:4], params[:4], use_tqdm=False)  # warm
+start = time.perf_counter()
+outs = llm.generate(args["prompts"], params, use_tqdm=False)
+seconds = time.perf_counter() - start
+tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds}))
+"""
+
+
+def generation(cache: str, num_prompts: int, repeats: int) -> dict:
+    from cluster.compose import load_config
+    from cluster.train import resolve_model
+    from rollout.datasets import load_problems
+    from rollout.pool import RolloutPool
+
+    cfg = load_config([f"model.cache_dir={cache}"])
+    model = resolve_model(cfg)
+    train = load_problems(cfg.data, 0).train[:num_prompts]
+    batch = list(enumerate(train))
+    n, seed = cfg.algo.group_size, 12345
+    pool = RolloutPool(model, asdict(cfg.rollout), cfg.rollout.num_workers, 0, 0.5, 0)
+    try:
+        pool.generate(batch[:4], n, greedy=False, seed=seed)  # warm
+        system = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _, stats = pool.generate(batch, n, greedy=False, seed=seed)
+            system.append((stats["completion_tokens"], time.perf_counter() - start))
+    finally:
+        pool.shutdown()
+    seeds = [hash((seed, i)) % (2**31) for i, _ in batch]  # the pool's per-prompt seeds
+    payload = json.dumps({"model": model, "prompts": [p.prompt for _, p in batch], "n": n,
+                          "max_tokens": cfg.rollout.max_new_tokens, "seeds": seeds})
+    standalone = []
+    for _ in range(repeats):
+        out = subprocess.run([sys.executable, "-c", STANDALONE, payload], capture_output=True, text=True, check=True)
+        result = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+        standalone.append((result["tokens"], result["seconds"]))
+    return {
+        "prompts": num_prompts, "completions": num_prompts * n,
+        "system_tokens_per_s": statistics.median(t / s for t, s in system),
+        "standalone_tokens_per_s": statistics.median(t / s for t, s in standalone),
+        "system_tokens": system[0][0], "standalone_tokens": standalone[0][0],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", nargs="+", default=["10M", "100M", "500M"])
+    parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--cache", default=str(Path("~/.cache/grpo/models").expanduser()))
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", default="runs/bench/weight_sync.json")
+    args = parser.parse_args()
+    import ray
+
+    from cluster.train import ACTOR_ENV
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV})
+    rows = []
+    for size in args.sizes:
+        rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb))
+        print(json.dumps(rows[-1]), flush=True)
+    gen = generation(args.cache, args.prompts, args.repeats)
+    print(json.dumps(gen), flush=True)
+    ray.shutdown()
+
+    fixed = None
+    if len(rows) >= 2:  # least squares: push_s = fixed + bytes / bandwidth
+        xs, ys = [r["bytes"] for r in rows], [r["push_s"] for r in rows]
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fixed = my - slope * mx
+    lines = ["| model | params | bytes (fp32) | push, end to end | push GB/s | learner side (pack + broadcast) | "
+             "learner GB/s | memcpy GB/s, same bytes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['params_m']:.1f} M | {r['bytes'] / 2**20:.0f} MiB | {r['push_s']:.3f} s | "
+                     f"{r['push_gbps']:.2f} | {r['learner_s']:.3f} s | {r['learner_gbps']:.2f} | {r['memcpy_gbps']:.2f} |")
+    if fixed is not None:
+        lines.append(f"\nfixed cost per sync (intercept of push time against bytes): {fixed * 1000:.0f} ms")
+    lines += ["", "| generation, built-in model | completions | tokens/s |", "| --- | --- | --- |",
+              f"| rollout pool, {2} workers (chunks to whichever is free) | {gen['completions']} | "
+              f"{gen['system_tokens_per_s']:.0f} |",
+              f"| one standalone vLLM engine, same prompts and seeds | {gen['completions']} | "
+              f"{gen['standalone_tokens_per_s']:.0f} |"]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "sync": rows, "fixed_s": fixed, "generation": gen},
+                              indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

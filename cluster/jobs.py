@@ -1,0 +1,104 @@
+"""`grpo submit` and `grpo jobs`: the training job as a Ray job, through Ray's Job Submission SDK.
+
+The config is composed and checked here first, so a bad override fails on the user's machine
+with exit status 2 instead of as a failed job on the cluster. The job's runtime environment
+uploads this repository (without virtualenvs, runs, caches) as its working directory and
+forwards the submitting shell's `WANDB_*`, `HF_*`, `VLLM_*`, `NCCL_*` and `GRPO_*` variables.
+Ray's token authentication (on by default on Ray 2.60 heads) is the SDK's: it reads the token
+from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token when RAY_AUTH_MODE=token.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+EXCLUDES = [".venv", ".git", "runs", "wandb", "outputs", ".whl", ".pytest_cache", "__pycache__", "*.pyc",
+            "*.egg-info", "docs"]
+"""Never uploaded with the working directory: environments, run outputs, caches."""
+FORWARDED_ENV = ("WANDB_", "HF_", "HUGGING_FACE_", "VLLM_", "NCCL_", "GRPO_")
+"""Environment variables (by prefix) that the job gets from the submitting shell."""
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def default_address() -> str:
+    return os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
+
+
+def client(address: Optional[str]):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address or default_address())
+
+
+def runtime_env(env: Optional[Dict[str, str]] = None) -> dict:
+    source = os.environ if env is None else env
+    env_vars = {k: v for k, v in source.items() if k.startswith(FORWARDED_ENV)}
+    return {"working_dir": str(ROOT), "excludes": EXCLUDES, "env_vars": env_vars}
+
+
+def entrypoint(overrides: List[str]) -> str:
+    # The job's own interpreter (the cluster's environment) runs the driver; it joins the
+    # cluster through RAY_ADDRESS, which Ray sets for every job.
+    return " ".join(["python", "-m", "cluster.train", *map(shlex.quote, overrides)])
+
+
+def submit(address: Optional[str], overrides: List[str], follow: bool = True,
+           submission_id: Optional[str] = None) -> int:
+    """Submit the training job; print its id; follow its logs to the end (exit 0 if it
+    succeeded, 1 if not). The config is checked before anything is sent."""
+    from cluster.compose import load_config
+
+    load_config(overrides)  # raises ConfigError (exit 2) before anything reaches the cluster
+    jobs = client(address)
+    job_id = jobs.submit_job(entrypoint=entrypoint(overrides), runtime_env=runtime_env(),
+                             submission_id=submission_id, metadata={"tool": "grpo"})
+    print(f"submitted job {job_id} to {address or default_address()}", flush=True)
+    print(f"  follow: grpo jobs logs {job_id} --follow    stop: grpo jobs stop {job_id}", flush=True)
+    if not follow:
+        return 0
+    return follow_logs(jobs, job_id)
+
+
+def follow_logs(jobs, job_id: str) -> int:
+    async def tail() -> None:
+        async for lines in jobs.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    asyncio.run(tail())
+    status = wait(jobs, job_id)
+    print(f"job {job_id}: {status}", flush=True)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def wait(jobs, job_id: str, timeout_s: float = 60.0) -> str:
+    """The job's status once terminal (the log stream can end a moment before the status)."""
+    deadline = time.monotonic() + timeout_s
+    status = str(jobs.get_job_status(job_id))
+    while status not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.5)
+        status = str(jobs.get_job_status(job_id))
+    return status
+
+
+def jobs_command(action: str, job_id: str, address: Optional[str], follow: bool = False) -> int:
+    jobs = client(address)
+    if action == "status":
+        info = jobs.get_job_info(job_id)
+        print(f"{job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
+        return 0
+    if action == "logs":
+        if follow:
+            return follow_logs(jobs, job_id)
+        print(jobs.get_job_logs(job_id), end="")
+        return 0
+    if action == "stop":
+        jobs.stop_job(job_id)
+        status = wait(jobs, job_id)
+        print(f"{job_id}: {status}")
+        return 0 if status in TERMINAL else 1
+    raise ValueError(action)
