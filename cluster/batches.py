@@ -65,7 +65,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     kept: List[tuple] = []
     spare: List[tuple] = []
     totals: Dict[str, Any] = {}
-    gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0}
+    gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0}
     for round_ in range(rounds):
         batch = items if items is not None else sampler.next_batch(size - len(kept))
         # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
@@ -76,6 +76,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
             scored, stats = roles.verifiers.score(refs)
         informative = stats.pop("per_item/informative")
         totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
+        gen["rollout_actor_restarts"] = gen.get("actor_restarts", 0.0)
         gen_totals = {k: gen_totals[k] + gen[k] for k in gen_totals}
         rows = list(zip(scored, batch, gen["per_item/policy_version"], informative))
         if not cfg.algo.dynamic_sampling or items is not None:
@@ -107,7 +108,7 @@ def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles,
         batch.reward_stats = {k: batch.reward_stats[k] + fresh.reward_stats[k] for k in batch.reward_stats}
         for key, value in fresh.times.items():
             batch.times[key] = batch.times.get(key, 0.0) + value
-        for key in ("completions", "completion_tokens"):
+        for key in ("completions", "completion_tokens", "rollout_actor_restarts"):
             batch.metrics[key] += fresh.metrics[key]
     staleness = [version - v for v in batch.versions]
     return {"staleness_max": float(max(staleness)), "staleness_mean": sum(staleness) / len(staleness),

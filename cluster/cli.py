@@ -83,10 +83,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         from cluster.train import train
         from rollout.datasets import DataError
 
+        from learner.group import LearnerError
+
         try:
             train(cfg)
         except DataError as exc:
             return _fail(str(exc))
+        except LearnerError as exc:  # not bad input: the run failed, and says how to go on
+            print(f"grpo: error: {exc}", file=sys.stderr)
+            return 1
     except ConfigError as exc:
         return _fail(str(exc))
     return 0
@@ -95,8 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _jobs(args) -> int:
     """submit / jobs: bad config, an unreachable address, a refused token or an unknown job id
     are bad input (exit 2, one line)."""
-    from cluster.compose import ConfigError
+    import ray
+
     from cluster import jobs
+    from cluster.compose import ConfigError
 
     try:
         if args.command == "submit":
@@ -104,9 +111,9 @@ def _jobs(args) -> int:
         return jobs.jobs_command(args.action, args.job_id, args.address, follow=args.follow)
     except ConfigError as exc:
         return _fail(str(exc))
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        # The SDK raises these for an unreachable dashboard, a 401 (missing or wrong token) or
-        # an unknown job id; its messages run over several lines.
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
+        # The SDK raises these for an unreachable dashboard, a refused token (AuthenticationError)
+        # or an unknown job id; its messages run over several lines.
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         return _fail(f"{args.command}: {first}")
 

@@ -169,6 +169,9 @@ def validate(cfg: Config) -> None:
     _one_of("model.name", cfg.model.name, ("tiny", "hf"))
     _one_of("logger.backend", cfg.logger.backend, ("wandb", "none"))
     _one_of("rollout.dtype", cfg.rollout.dtype, ("float32", "bfloat16", "float16"))
+    for role in ("rollout", "learner", "reward"):
+        _one_of(f"cluster.strategy.{role}", getattr(cfg.cluster.strategy, role),
+                ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be above 0 for sampling (got {cfg.rollout.temperature}); "
                           "evaluation is greedy anyway")

@@ -271,6 +271,37 @@ class TrainerConfig:
 
 
 @dataclass
+class RoleNodes:
+    rollout: Optional[str] = None
+    """Custom node resource the generation actors need (e.g. `gen`: only nodes started with
+    --resources='{"gen": 1}'); None: any node."""
+    learner: Optional[str] = None
+    """Custom node resource the learner ranks need; the same name as another role shares its nodes."""
+    reward: Optional[str] = None
+    """Custom node resource the verifier actors need."""
+
+
+@dataclass
+class RoleStrategy:
+    rollout: str = "PACK"
+    """Placement group strategy of the generation actors: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD."""
+    learner: str = "PACK"
+    """Placement group strategy of the learner ranks (PACK keeps NCCL traffic inside a node)."""
+    reward: str = "SPREAD"
+    """Placement group strategy of the verifier actors."""
+
+
+@dataclass
+class ClusterConfig:
+    nodes: RoleNodes = field(default_factory=RoleNodes)
+    """Which nodes each role runs on (roles naming the same resource share nodes)."""
+    strategy: RoleStrategy = field(default_factory=RoleStrategy)
+    """How each role's actors spread over those nodes."""
+    placement_timeout_s: float = 300.0
+    """Placement groups not placed within this fail the run with a message (never a silent wait)."""
+
+
+@dataclass
 class RayConfig:
     address: Optional[str] = None
     """Ray cluster to join; None starts a local Ray (or joins RAY_ADDRESS when set)."""
@@ -299,5 +330,6 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
@@ -25,9 +25,15 @@ def chunk_size(num_items: int, num_actors: int, chunks_per_actor: int) -> int:
 
 
 def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: int,
-             stats: Dict[str, Any]) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
+             stats: Dict[str, Any], on_failure: Optional[Callable[[int], None]] = None,
+             ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
     """Run `items` in chunks of `size` on whichever actor is free; returns (one result ref per
-    item, in order; `stats` with every chunk's stats added)."""
+    item, in order; `stats` with every chunk's stats added).
+
+    With `on_failure`, a chunk whose actor died is handed out again once `on_failure(actor
+    index)` returns (it waits for the restarted actor and readies it); its results are then
+    those of the re-run only, so every item is done exactly once. `actor_restarts` counts them.
+    Without it the actor's error is raised."""
     n = len(items)
     out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
     if n == 0:
@@ -42,7 +48,17 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
             running[refs[-1]] = (a, chunk, refs[:-1])
         done, _ = ray.wait(list(running), num_returns=1)
         a, chunk, refs = running.pop(done[0])
-        add_stats(stats, ray.get(done[0]), chunk, n)  # raises if the actor's call failed for good
+        try:
+            chunk_stats = ray.get(done[0])
+        except ray.exceptions.RayActorError:
+            if on_failure is None:
+                raise
+            on_failure(a)
+            stats["actor_restarts"] = stats.get("actor_restarts", 0.0) + 1
+            queue.appendleft(chunk)
+            idle.append(a)
+            continue
+        add_stats(stats, chunk_stats, chunk, n)
         for i, ref in zip(chunk, refs):
             out[i] = ref
         idle.append(a)

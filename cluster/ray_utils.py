@@ -18,24 +18,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = None) -> None:
-    """Join `address` (or RAY_ADDRESS) if given, else start a local Ray."""
+def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = None) -> str | None:
+    """Join `address` (or RAY_ADDRESS) if given, else start a local Ray. Returns the Ray
+    dashboard's address (None for the local Ray, which runs without one)."""
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     runtime_env = {"env_vars": env_vars} if env_vars else None
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="ERROR")
-    else:
-        # Quiet: the progress bar is the run's voice; actor errors still reach the driver as exceptions.
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
-                 log_to_driver=False, logging_level="ERROR")
-
-
-def missing_resources(demands: dict) -> list:
-    """What the connected Ray cluster lacks for `demands` ({"CPU": 2.0, "GPU": 0, ...})."""
-    import ray
-
-    have = ray.cluster_resources()
-    return [f"{need:g} {name} (the cluster has {have.get(name, 0):g})"
-            for name, need in demands.items() if need > have.get(name, 0) + 1e-9]
+        context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="ERROR")
+        url = getattr(context, "dashboard_url", None)
+        return f"http://{url}" if url and not url.startswith("http") else url
+    # Quiet: the progress bar is the run's voice; actor errors still reach the driver as exceptions.
+    ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    return None

@@ -1,17 +1,32 @@
-"""report.png: the run's curves, readable at a glance."""
+"""report.png: the run's curves, readable at a glance (one panel per question a user asks)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 PANELS = [
-    ("reward_mean", "reward (mean)"),
-    ("accuracy", "accuracy (train samples)"),
-    ("heldout_accuracy", "held-out greedy accuracy"),
-    ("kl", "KL to reference"),
-    ("response_length_mean", "response length (tokens)"),
-    ("time_step", "step time (s)"),
+    ("reward per verifier", ["reward_mean", "score/*"]),
+    ("accuracy", ["accuracy", "heldout_accuracy"]),
+    ("KL to reference", ["kl"]),
+    ("policy entropy (nats/token)", ["entropy"]),
+    ("clipping and ratio", ["clip_fraction", "ratio_mean", "ratio_max"]),
+    ("advantage |A| mean", ["advantage_abs_mean"]),
+    ("response length (tokens)", ["response_length_mean"]),
+    ("truncated fraction", ["truncated_fraction"]),
+    ("learning rate and grad norm", ["lr", "grad_norm"]),
+    ("time per step by phase (s)", ["time_step", "time_generate", "time_reward", "time_train", "time_weight_sync"]),
+    ("throughput (completion tokens/s)", ["tokens_per_s", "generate_tokens_per_s"]),
+    ("weight sync (GB/s)", ["sync_gbps"]),
+    ("buffer and staleness", ["buffer_groups", "batches_ahead", "staleness_max", "dropped_stale"]),
+    ("faults", ["actor_restarts", "reward_timeouts", "reward_errors"]),
 ]
+LOG_SCALE = {"learning rate and grad norm"}
+
+
+def _keys(pattern: str, rows) -> list:
+    if pattern.endswith("*"):
+        return sorted({k for r in rows for k in r if k.startswith(pattern[:-1])})
+    return [pattern]
 
 
 def write_report(run_dir: Path, heldout_before: float | None = None, heldout_after: float | None = None) -> Path:
@@ -21,22 +36,30 @@ def write_report(run_dir: Path, heldout_before: float | None = None, heldout_aft
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, PANELS):
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if key == "heldout_accuracy" and heldout_before is not None and heldout_after is not None:
-            # Before GRPO is step 0; the final evaluation is the last step.
-            last = rows[-1]["step"] if rows else 0
-            points = [(0, heldout_before)] + [p for p in points if p[0] != last] + [(last, heldout_after)]
-        if points:
-            ax.plot(*zip(*points), marker="o", markersize=2, linewidth=1.2)
-        ax.set_title(title)
+    cols = 4
+    fig, axes = plt.subplots((len(PANELS) + cols - 1) // cols, cols, figsize=(18, 12))
+    for ax, (title, patterns) in zip(axes.flat, PANELS):
+        for key in (k for p in patterns for k in _keys(p, rows)):
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if key == "heldout_accuracy" and heldout_before is not None and heldout_after is not None:
+                # Before GRPO is step 0; the final evaluation is the last step.
+                last = rows[-1]["step"] if rows else 0
+                points = [(0, heldout_before)] + [p for p in points if p[0] != last] + [(last, heldout_after)]
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=2, linewidth=1.2, label=key)
+        if title in LOG_SCALE:
+            ax.set_yscale("log")
+        if ax.lines and len(ax.lines) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
     if heldout_before is not None and heldout_after is not None:
         fig.suptitle(f"{run_dir.name}: held-out greedy accuracy {heldout_before:.1%} -> {heldout_after:.1%}")
     fig.tight_layout()
     out = run_dir / "report.png"
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -5,6 +5,7 @@ that does not finish within `sync.timeout_s` raises instead of hanging the run.
 """
 from __future__ import annotations
 
+import threading
 from typing import Dict
 
 import ray
@@ -17,18 +18,33 @@ class WeightSyncError(RuntimeError):
 class WeightSyncChannel:
     def __init__(self, learner, rollout, dtype: str, bucket_mb: float, timeout_s: float):
         self.learner, self.rollout, self.timeout_s = learner, rollout, timeout_s
+        # Held from the learner's update until its push: a worker re-joining in between gets
+        # the weights of the version it is told (see `recover`).
+        self.lock = threading.RLock()
         # Every rank joins: under ZeRO-3 reading the full shapes is a collective gather.
         self.spec = learner.call("weight_spec", dtype, bucket_mb)[0]
-        host, port, self.backend = ray.get(learner.rank0.sync_address.remote())
-        # Learner rank 0 is the root; each worker's tensor-parallel ranks follow, from 1 on.
-        per_worker = rollout.sync_ranks
-        world = 1 + per_worker * len(rollout.workers)
-        # Every member joins at once: the group's constructor waits for all of them.
-        joins = [learner.rank0.init_weight_sync.remote(host, port, world, timeout_s, self.backend)]
-        joins += [w.init_weight_sync.remote(host, port, 1 + i * per_worker, world, timeout_s, self.backend)
-                  for i, w in enumerate(rollout.workers)]
-        self._wait(joins, "joining the weight-sync group")
         self.version = 0
+        self._join()
+
+    def _join(self) -> None:
+        """(Re)build the sync group: learner rank 0 is the root; each worker's tensor-parallel
+        ranks follow, from 1 on. Every member joins at once: the group's constructor waits for
+        all of them."""
+        host, port, self.backend = ray.get(self.learner.rank0.sync_address.remote())
+        per_worker = self.rollout.sync_ranks
+        world = 1 + per_worker * len(self.rollout.workers)
+        joins = [self.learner.rank0.init_weight_sync.remote(host, port, world, self.timeout_s, self.backend)]
+        joins += [w.init_weight_sync.remote(host, port, 1 + i * per_worker, world, self.timeout_s, self.backend)
+                  for i, w in enumerate(self.rollout.workers)]
+        self._wait(joins, "joining the weight-sync group")
+
+    def recover(self) -> Dict[str, float]:
+        """After a generation actor was restarted (a fresh engine, out of the group, holding the
+        initial weights): rebuild the group and push the current version to every worker, so
+        that the restarted one holds it before it generates again."""
+        with self.lock:
+            self._join()
+            return self.push(self.version)
 
     def _wait(self, refs, what: str):
         try:
@@ -44,6 +60,27 @@ class WeightSyncChannel:
 
         A worker busy generating takes the weights after its current call (Ray runs an actor's
         calls one at a time): weights never change in the middle of a generation request."""
+        with self.lock:
+            try:
+                return self._push(version)
+            except WeightSyncError as error:
+                if not self._worker_died(error):
+                    raise
+            # A generation actor died during the push: Ray restarts it (a fresh engine); re-join
+            # every worker and push again, once.
+            ray.get([w.ready.remote() for w in self.rollout.workers], timeout=self.timeout_s)
+            self._join()
+            return self._push(version)
+
+    def _worker_died(self, error: WeightSyncError) -> bool:
+        cause = error.__cause__
+        if not isinstance(cause, ray.exceptions.RayActorError) or self.rollout.recover is None:
+            return False
+        workers = {w._actor_id.hex() for w in self.rollout.workers}
+        actor_id = getattr(cause, "actor_id", None)
+        return (actor_id.hex() if isinstance(actor_id, bytes) else actor_id) in workers
+
+    def _push(self, version: int) -> Dict[str, float]:
         sends = [r.broadcast_weights.remote(self.spec) for r in self.learner.ranks]
         receives = [w.receive_weights.remote(self.spec, version) for w in self.rollout.workers]
         results = self._wait(sends + receives, f"weight sync to version {version}")

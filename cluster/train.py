@@ -31,10 +31,13 @@ class Roles:
     verifiers: object
     learner: object
     channel: object
+    placement: object = None
 
     def shutdown(self) -> None:
         for role in (self.rollout, self.verifiers, self.learner):
             role.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
 
 
 def train(cfg: Config) -> Dict[str, object]:
@@ -45,6 +48,7 @@ def train(cfg: Config) -> Dict[str, object]:
     from cluster.checkpoint import save_checkpoint
     from cluster.metrics import MetricsLogger
     from cluster.ray_utils import init_ray
+    from learner.group import LearnerError
     from rollout.datasets import PromptSampler, load_problems
 
     started = time.time()
@@ -52,7 +56,9 @@ def train(cfg: Config) -> Dict[str, object]:
     check_inputs(cfg, train_set)
     cfg.model.path = resolve_model(cfg)
     resume_from = find_resume_point(cfg)
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a cluster "
+        "with RAY_ADDRESS or ray.address to get one)", started)
     check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
     run_dir = make_run_dir(cfg)
     roles = start_roles(cfg)
@@ -72,17 +78,26 @@ def train(cfg: Config) -> Dict[str, object]:
                            resume_step=first_step - 1)
     batches = make_batches(cfg, roles, sampler, first_step)
     for step in range(first_step, cfg.trainer.max_steps + 1):
-        row = grpo_step(step, version, roles, batches, buffer, cfg)
+        try:
+            row = grpo_step(step, version, roles, batches, buffer, cfg)
+        except LearnerError as error:
+            batches.close()
+            roles.shutdown()
+            ray.shutdown()
+            raise LearnerError(f"{error} at step {step}; the run stopped. " + resume_hint(cfg, run_dir)) from error
         version = row["policy_version"]
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            eval_started = time.perf_counter()
             row["heldout_accuracy"] = evaluate(roles, heldout)
+            row["time_eval"] = time.perf_counter() - eval_started
+        row["wall_seconds"] = time.time() - started  # since the job started: the gaps between steps show
         logger.log(row)
         if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.max_steps):
             save_checkpoint(run_dir, step, roles.learner, {
                 "step": step, "policy_version": version, "sampler": batches.resume_state(),
                 "accuracy_before": accuracy_before, "seed": cfg.trainer.seed,
             }, cfg.trainer.keep_checkpoints)
-        _injected_fault(step)
+        _injected_fault(step, roles)
     batches.close()
 
     accuracy_after = evaluate(roles, heldout)
@@ -123,11 +138,13 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         staleness = drop_stale(batch, version, cfg.algo.max_staleness, step, roles, batches.sampler, cfg)
     buffer.put(batch.refs, version)
     occupancy = {"buffer_groups": float(len(buffer)), "batches_ahead": float(batches.ahead)}
-    with timer("time_train"):
-        learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
-    with timer("time_weight_sync"):
-        sync_metrics = roles.channel.push(version + 1)
+    with roles.channel.lock:  # a restarted worker re-joining waits for this push, not half of it
+        with timer("time_train"):
+            learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
+        with timer("time_weight_sync"):
+            sync_metrics = roles.channel.push(version + 1)
     rewards = summarize(batch.reward_stats, cfg.reward.verifiers)
+    rewards["actor_restarts"] += batch.metrics["rollout_actor_restarts"]  # verifier and generation actors
     step_seconds = time.perf_counter() - started
     generate_seconds = batch.times.get("time_generate", 0.0)
     return {
@@ -157,21 +174,27 @@ def make_batches(cfg: Config, roles: Roles, sampler, first_step: int):
 
 
 def start_roles(cfg: Config) -> Roles:
+    from cluster.placement import Placement
     from cluster.sync_channel import WeightSyncChannel
     from learner.group import LearnerGroup
     from cluster.compose import verifier_settings
     from reward.pool import VerifierPool
     from rollout.pool import RolloutPool
 
+    # Each role in its own placement group, on the nodes cluster.nodes names.
+    placement = Placement(cfg, cfg.cluster.placement_timeout_s)
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
     algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
-    learner = LearnerGroup(cfg.model.path, asdict(cfg.learner), algo, cfg.trainer.seed)
+    learner = LearnerGroup(cfg.model.path, asdict(cfg.learner), algo, cfg.trainer.seed,
+                           placement=lambda i: placement.options("learner", i))
     verifiers = VerifierPool(verifier_settings(cfg.reward), cfg.reward.num_workers,
-                             cfg.reward.num_cpus_per_worker)
+                             cfg.reward.num_cpus_per_worker, placement=lambda i: placement.options("reward", i))
     rollout = RolloutPool(cfg.model.path, asdict(cfg.rollout), cfg.rollout.num_workers, cfg.trainer.seed,
-                          cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker)
+                          cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
+                          placement=lambda i: placement.options("rollout", i))
     channel = WeightSyncChannel(learner, rollout, cfg.rollout.dtype, cfg.sync.bucket_mb, cfg.sync.timeout_s)
-    return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel)
+    rollout.recover = channel.recover
+    return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel, placement=placement)
 
 
 def warm_up(roles: Roles, cfg: Config, train_set) -> int:
@@ -232,13 +255,31 @@ def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
     return state
 
 
-def _injected_fault(step: int) -> None:
-    """Fault injection for the resume tests: GRPO_KILL_AFTER_STEP=k kills this process (SIGKILL,
-    as a node loss would) once step k is logged and checkpointed."""
-    if os.environ.get("GRPO_KILL_AFTER_STEP") == str(step):
+def resume_hint(cfg: Config, run_dir: Path) -> str:
+    from cluster.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        return "No checkpoint was written (set trainer.save_every to have one next time)."
+    return (f"Its last checkpoint is {last}: continue with the same overrides plus "
+            f"trainer.run_name={cfg.trainer.run_name} trainer.resume=auto")
+
+
+def _injected_fault(step: int, roles: Roles) -> None:
+    """Fault injection for the recovery tests, once step k is logged and checkpointed:
+    GRPO_FAULT=driver@k kills this process (SIGKILL, as a lost head node would);
+    GRPO_FAULT=learner@k kills learner rank 1 (the next update then fails)."""
+    fault = os.environ.get("GRPO_FAULT", "")
+    if not fault.endswith(f"@{step}"):
+        return
+    if fault.startswith("driver@"):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.startswith("learner@"):
+        import ray
+
+        ray.kill(roles.learner.ranks[-1])
 
 
 def evaluate(roles: Roles, problems) -> float:
@@ -291,20 +332,17 @@ def check_inputs(cfg: Config, train_set) -> None:
 
 
 def check_resources(cfg: Config) -> None:
-    from cluster.ray_utils import missing_resources
+    """Every role's CPUs and GPUs, on the nodes cluster.nodes names, against what the
+    connected cluster has (a placement group it cannot hold would wait forever)."""
+    import ray
 
-    demands = {
-        "CPU": cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
-        + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
-        + cfg.reward.num_workers * cfg.reward.num_cpus_per_worker,
-        "GPU": cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker
-        + cfg.learner.num_ranks * cfg.learner.num_gpus_per_rank,
-    }
-    missing = missing_resources(demands)
+    from cluster.placement import check
+
+    missing = check(cfg, ray.nodes())
     if missing:
         raise ConfigError(
-            f"the actors need {', '.join(missing)}: lower rollout/learner/reward num_workers, "
-            f"num_ranks or their num_cpus_*/num_gpus_* (or raise ray.num_cpus locally)")
+            f"the actors need {'; '.join(missing)}: lower rollout/learner/reward num_workers, num_ranks "
+            "or their num_cpus_*/num_gpus_*, add nodes (or raise ray.num_cpus locally)")
 
 
 def check_model_length(cfg: Config, folder: str) -> None:

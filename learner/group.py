@@ -9,23 +9,42 @@ from cluster.ray_utils import free_port, node_ip
 from learner.actor import LearnerRank
 
 
+class LearnerError(RuntimeError):
+    """A learner rank died: the update cannot continue (its shard of the state is gone)."""
+
+
+def _get(refs):
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as error:
+        raise LearnerError(f"a learner rank died ({type(error).__name__})") from error
+
+
+def _rendezvous_address():
+    return node_ip(), free_port()
+
+
 class LearnerGroup:
-    def __init__(self, model_path: str, learner_cfg: dict, algo_cfg: dict, seed: int):
+    def __init__(self, model_path: str, learner_cfg: dict, algo_cfg: dict, seed: int, placement=None):
+        """`placement(i)`: Ray actor options for rank i (its placement group bundle)."""
         actor = ray.remote(num_cpus=learner_cfg["num_cpus_per_rank"],
                            num_gpus=learner_cfg["num_gpus_per_rank"])(LearnerRank)
         world = learner_cfg["num_ranks"]
-        # The rendezvous address is this node's; on a cluster rank 0 must be placed here too
-        # (placement groups, issue 6). Locally every rank is on this node.
-        master_addr, master_port = node_ip(), free_port()
+        options = [placement(i) if placement else {} for i in range(world)]
+        # torch.distributed's rendezvous is hosted by rank 0: ask its bundle's node for the
+        # address first (a zero-CPU probe placed where rank 0 will be).
+        probe = ray.remote(num_cpus=0)(_rendezvous_address).options(**options[0])
+        master_addr, master_port = ray.get(probe.remote())
         self.ranks = [
-            actor.remote(rank, world, master_addr, master_port, model_path, learner_cfg, algo_cfg, seed)
+            actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, learner_cfg,
+                                                  algo_cfg, seed)
             for rank in range(world)
         ]
         self.rank0 = self.ranks[0]
 
     def call(self, method: str, *args) -> list:
         """Call `method` on every rank at once (collectives need all of them) and wait."""
-        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])
+        return _get([getattr(r, method).remote(*args) for r in self.ranks])
 
     def warmup(self, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
         return self.call("warmup", steps, batch_size, lr, seed)[0]
@@ -36,7 +55,7 @@ class LearnerGroup:
         if rest or not per_rank:
             raise ValueError(f"{len(group_refs)} prompt groups cannot be split evenly over {len(self.ranks)} ranks")
         shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
-        results = ray.get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)])
+        results = _get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)])
         return {k: sum(m[k] for m in results) / len(results) for k in results[0]}
 
     def save_checkpoint(self, folder: str) -> None:

@@ -101,11 +101,13 @@ class VerifierWorker:
 
 
 class VerifierPool:
-    def __init__(self, settings: VerifierSettings, num_workers: int, num_cpus: float):
+    def __init__(self, settings: VerifierSettings, num_workers: int, num_cpus: float, placement=None):
+        """`placement(i)`: Ray actor options for actor i (its placement group bundle)."""
         actor = ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=TASK_RETRIES)(VerifierWorker)
         self.settings = settings
         self.names = list(dict.fromkeys(settings.verifiers))
-        self.workers = [actor.remote(settings) for _ in range(num_workers)]
+        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings)
+                        for i in range(num_workers)]
 
     def ready(self) -> None:
         """Block until every actor has started its scorer process (raises if one cannot)."""

@@ -12,10 +12,18 @@ from rollout.worker import GenerationWorker
 
 class RolloutPool:
     def __init__(self, model_path: str, rollout_cfg: dict, num_workers: int, seed: int,
-                 num_cpus: float, num_gpus: float):
-        actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(GenerationWorker)
+                 num_cpus: float, num_gpus: float, placement=None):
+        """`placement(i)`: Ray actor options for worker i (its placement group bundle)."""
+        # Ray restarts a dead worker (a fresh engine); the pool hands its unfinished prompts out
+        # again only after `recover` gave it the current weights (no automatic task retry: a
+        # retry on the fresh engine would sample with its initial weights).
+        actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_task_retries=0)(GenerationWorker)
         self.cfg = rollout_cfg
-        self.workers = [actor.remote(model_path, rollout_cfg, seed + i) for i in range(num_workers)]
+        self.recover = None
+        """Set by the driver to the weight-sync channel's `recover` (re-joins a restarted worker
+        and pushes the current weights to it); None: a dead worker's error is raised."""
+        self.workers = [actor.options(**(placement(i) if placement else {})).remote(model_path, rollout_cfg, seed + i)
+                        for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])
 
     @property
@@ -40,7 +48,17 @@ class RolloutPool:
                 *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk]))
 
         size = chunk_size(len(prompts), len(self.workers), self.cfg["chunks_per_worker"])
-        return dispatch(self.workers, submit, prompts, size, {})
+        return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},
+                        on_failure=self._restarted if self.recover else None)
+
+    def _restarted(self, index: int) -> None:
+        """Wait for worker `index` to come back, then give it the current weights; it must then
+        hold the channel's version before it generates again."""
+        ray.get(self.workers[index].ready.remote())
+        self.recover()
+        versions = self.versions()
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"after re-joining a restarted worker the versions differ: {versions}")
 
     def versions(self) -> List[int]:
         return ray.get([w.ready.remote() for w in self.workers])

@@ -41,6 +41,9 @@ class GenerationWorker:
     def ready(self) -> int:
         return self.policy_version
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def sampling_params(self, n: int, greedy: bool, seed: int):
         from vllm import SamplingParams
 

@@ -1,7 +1,7 @@
 """`grpo submit` / `grpo jobs` against a real Ray head started here (`ray start --head`), with
-token authentication on and the dashboard on 127.0.0.1: one few-step job runs to SUCCEEDED and
-writes its metrics; another is stopped while running and leaves no actor behind; without the
-token the head refuses."""
+token authentication on and the dashboard on 127.0.0.1: a few-step job runs to SUCCEEDED and
+writes every artifact (metrics with every key a user watches, report, model, offline wandb run);
+another is stopped while running and leaves no actor behind; without the token the head refuses."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.ray_utils import free_port
-from tests.conftest import small_overrides
+from conftest import small_overrides
 
 BIN = Path(sys.executable).parent
 GRPO, RAY = str(BIN / "grpo"), str(BIN / "ray")
@@ -56,46 +56,59 @@ def _job_overrides(model_cache: str, out: Path, steps: int) -> list:
 
 
 def _alive_actors(address: str, env: dict, ray_job_id: str) -> list:
-    out = subprocess.run([RAY, "list", "actors", "--address", address.replace("http://", ""), "--format", "json",
-                          "--filter", "state=ALIVE", "--limit", "1000"], env=env, capture_output=True, text=True,
-                         check=True)
-    return [a for a in json.loads(out.stdout) if a.get("job_id") == ray_job_id]
+    out = subprocess.run([RAY, "list", "actors", "--address", address, "--format", "json", "--filter", "state=ALIVE",
+                          "--limit", "1000"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    actors = json.loads(out) if out.startswith("[") else []  # "No resource in the cluster" when none
+    return [a for a in actors if a.get("job_id") == ray_job_id]
 
 
-def test_submitted_job_succeeds_and_a_stopped_job_leaves_no_actors(head, model_cache, tmp_path):
+def test_submitted_job_succeeds_and_writes_every_artifact(head, model_cache, tmp_path):
+    address, env = head
+    result = subprocess.run([GRPO, "submit", "--address", address, *_job_overrides(model_cache, tmp_path, 2),
+                             "logger=wandb"], env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.splitlines()[0].startswith("submitted job ")
+    assert "SUCCEEDED" in result.stdout.splitlines()[-1]
+    assert "held-out greedy accuracy" in result.stdout  # the job's own output came back through its logs
+    run_dir = tmp_path / "job"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward_mean", "accuracy", "kl", "clip_fraction", "entropy", "ratio_mean", "advantage_abs_mean",
+                "response_length_mean", "truncated_fraction", "lr", "grad_norm", "time_generate", "time_reward",
+                "time_train", "time_weight_sync", "time_step", "tokens_per_s", "sync_gbps", "buffer_groups",
+                "staleness_max", "actor_restarts", "reward_timeouts", "score/math", "score/format"):
+        assert all(key in r for r in rows), key
+    for name in ("config.yaml", "summary.json", "report.png", "final_model/config.json", "wandb_id"):
+        assert (run_dir / name).exists(), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.0 <= summary["heldout_accuracy_after"] <= 1.0 and summary["policy_version"] == 2
+    resolved = (run_dir / "config.yaml").read_text()
+    assert "max_steps: 2" in resolved and model_cache in resolved  # overrides and the built model path
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run"
+
+
+def test_stopped_job_ends_and_leaves_no_actors(head, model_cache, tmp_path):
     from ray.job_submission import JobSubmissionClient
 
     address, env = head
-    # The long job goes first and runs beside the short one (the head has room for both).
-    long_id = f"grpo-stop-{secrets.token_hex(3)}"
-    submitted = subprocess.run([GRPO, "submit", "--address", address, "--no-follow", "--job-id", long_id,
-                                *_job_overrides(model_cache, tmp_path / "long", 1000)],
-                               env=env, capture_output=True, text=True, timeout=300)
-    assert submitted.returncode == 0, submitted.stderr
-    assert long_id in submitted.stdout
-
-    short = subprocess.run([GRPO, "submit", "--address", address, *_job_overrides(model_cache, tmp_path / "short", 2)],
-                           env=env, capture_output=True, text=True, timeout=1200)
-    assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
-    assert "SUCCEEDED" in short.stdout.splitlines()[-1]
-    rows = [json.loads(line) for line in (tmp_path / "short" / "job" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert "held-out greedy accuracy" in short.stdout  # the job's own output came back through the logs
-
+    job_id = f"grpo-stop-{secrets.token_hex(3)}"
+    submitted = subprocess.run([GRPO, "submit", "--address", address, "--no-follow", "--job-id", job_id,
+                                *_job_overrides(model_cache, tmp_path, 1000)], env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert submitted.returncode == 0 and job_id in submitted.stdout, submitted.stderr
     jobs = JobSubmissionClient(address, headers={"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"})
-    ray_job_id = jobs.get_job_info(long_id).job_id
     deadline = time.monotonic() + 600
-    while not (tmp_path / "long" / "job" / "metrics.jsonl").exists():  # running: actors up, steps logged
-        assert str(jobs.get_job_status(long_id)) in ("PENDING", "RUNNING") and time.monotonic() < deadline
-        time.sleep(2)
-    assert _alive_actors(address, env, ray_job_id), "the running job should own actors"
-    stopped = subprocess.run([GRPO, "jobs", "stop", long_id, "--address", address], env=env,
+    while not jobs.get_job_info(job_id).job_id or not _alive_actors(address, env, jobs.get_job_info(job_id).job_id):
+        assert str(jobs.get_job_status(job_id)) in ("PENDING", "RUNNING") and time.monotonic() < deadline
+        time.sleep(1)
+    ray_job_id = jobs.get_job_info(job_id).job_id  # running, with actors of its own
+    stopped = subprocess.run([GRPO, "jobs", "stop", job_id, "--address", address], env=env,
                              capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0 and "STOPPED" in stopped.stdout, stopped.stdout + stopped.stderr
     while _alive_actors(address, env, ray_job_id):
         assert time.monotonic() < deadline, "actors outlived their stopped job"
-        time.sleep(2)
-    status = subprocess.run([GRPO, "jobs", "status", long_id, "--address", address], env=env,
+        time.sleep(1)
+    status = subprocess.run([GRPO, "jobs", "status", job_id, "--address", address], env=env,
                             capture_output=True, text=True)
     assert "STOPPED" in status.stdout
 
@@ -107,5 +120,5 @@ def test_without_the_token_the_head_refuses_with_one_line(head, model_cache, tmp
     no_token["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
     result = subprocess.run([GRPO, "submit", "--address", address, "--no-follow",
                              *_job_overrides(model_cache, tmp_path, 1)], env=no_token, capture_output=True, text=True)
-    assert result.returncode == 2
+    assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

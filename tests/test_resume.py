@@ -1,9 +1,10 @@
 """Checkpoint and resume, exactly: a run killed after k steps and resumed matches a straight run.
 
 Three real `grpo train` processes (each its own Ray, vLLM, DeepSpeed): straight to N=4 steps;
-the same run killed with SIGKILL right after step 2 (which ends an epoch of the 16 training
-prompts, 8 per step) is checkpointed; then `trainer.resume=auto` continues it to 4. Every
-metrics.jsonl line must be equal except wall-clock timings, and so must the final weights.
+the same run, checkpointed, loses a learner rank (killed) right after step 2 (which ends an epoch
+of the 16 training prompts, 8 per step): it stops with a message that says how to go on; then
+`trainer.resume=auto` continues it to 4. Every metrics.jsonl line must be equal except
+wall-clock timings, and so must the final weights.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from test_cli import GRPO, run
 STEPS = 4
 KILL_AFTER = 2  # 16 training prompts, 8 per step: step 2 ends the first epoch
 # Wall-clock timings and memory readings vary between any two runs; everything else must not.
-TIMING = ("time_", "learner_seconds", "sync_seconds", "sync_gbps", "sync_load_seconds", "learner_peak_memory_mb")
+TIMING = ("time_", "learner_seconds", "sync_seconds", "sync_gbps", "sync_load_seconds", "learner_peak_memory_mb",
+          "tokens_per_s", "generate_tokens_per_s", "wall_seconds")
 
 
 def _args(model_cache, out, name, *extra):
@@ -47,9 +49,12 @@ def runs(model_cache, tmp_path_factory):
     straight = run(GRPO, "train", *_args(model_cache, out, "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    killed = run(GRPO, "train", *_args(model_cache, out, "resumed"), env={"GRPO_KILL_AFTER_STEP": str(KILL_AFTER)})
-    assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
+    killed = run(GRPO, "train", *_args(model_cache, out, "resumed"), env={"GRPO_FAULT": f"learner@{KILL_AFTER}"})
+    assert killed.returncode == 1, (killed.returncode, killed.stderr[-3000:])
     checkpoints = out / "resumed" / "checkpoints"
+    message = killed.stderr.strip().splitlines()[-1]
+    assert "learner rank died" in message and f"step {KILL_AFTER + 1}" in message, message
+    assert "trainer.resume=auto" in message and str(checkpoints / f"step-{KILL_AFTER:06d}") in message, message
     assert [p.name for p in complete_checkpoints(out / "resumed")] == ["step-000001", "step-000002"]
     assert len(_metrics(out / "resumed")) == KILL_AFTER
     # A half-written checkpoint and one without its trainer state must never be picked.

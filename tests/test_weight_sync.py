@@ -29,12 +29,23 @@ def _cfg(system_cfg, tied: bool):
     return cfg
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def model_and_workers(request, ray_session, system_cfg):
-    cfg = _cfg(system_cfg, request.param)
+@pytest.fixture(scope="module")
+def untied_workers(ray_session, system_cfg):
+    cfg = _cfg(system_cfg, tied=False)
     pool = RolloutPool(cfg.model.path, asdict(cfg.rollout), 2, 0, 0.5, 0)
     yield cfg, pool
     pool.shutdown()
+
+
+@pytest.fixture(params=["tied", "untied"])
+def model_and_workers(request, roles, system_cfg):
+    """The tied model is the built-in one: its two workers are the session's (given back their
+    own weight-sync group after the test); the untied model gets two workers of its own."""
+    if request.param == "untied":
+        yield request.getfixturevalue("untied_workers")
+        return
+    yield system_cfg, roles.rollout
+    roles.channel.recover()  # re-join the session's learner and push its weights back
 
 
 def _learner(cfg, zero_stage: int) -> LearnerGroup:

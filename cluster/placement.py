@@ -1,0 +1,109 @@
+"""Where each role's actors run: one Ray placement group per role, on the nodes the config names.
+
+`cluster.nodes.<role>` names a custom node resource (given to nodes with
+`ray start --resources='{"gen": 1}'`); every actor of that role needs a sliver of it, so the role
+runs only on those nodes. Roles that name the same resource share those nodes; a role with none
+runs anywhere. `cluster.strategy.<role>` is the placement group's strategy (PACK: as few nodes as
+possible, SPREAD: as many, STRICT_*: or fail). Each actor is pinned to its own bundle (its CPUs
+and GPUs), so a restarted actor comes back into the same reservation.
+
+Before any actor starts, `check` compares every role's demand with the nodes that can hold it
+and names what is missing, instead of leaving a placement group pending forever.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+ROLES = ("rollout", "learner", "reward")
+LABEL_SHARE = 0.001
+"""How much of its node resource each actor takes: any positive amount pins it; small enough
+that a node labelled with 1 holds a thousand actors."""
+
+
+def role_demand(cfg, role: str) -> Dict[str, object]:
+    """(count, CPUs per actor, GPUs per actor, node resource) of one role."""
+    if role == "rollout":
+        count, cpus, gpus = cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker
+    elif role == "learner":
+        count, cpus, gpus = cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank
+    else:
+        count, cpus, gpus = cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0
+    return {"count": count, "CPU": cpus, "GPU": gpus, "label": getattr(cfg.cluster.nodes, role)}
+
+
+def bundles(cfg, role: str) -> List[Dict[str, float]]:
+    d = role_demand(cfg, role)
+    bundle = {"CPU": d["CPU"]}
+    if d["GPU"]:
+        bundle["GPU"] = d["GPU"]
+    if d["label"]:
+        bundle[d["label"]] = LABEL_SHARE
+    return [dict(bundle) for _ in range(d["count"])]
+
+
+def check(cfg, nodes: List[dict]) -> List[str]:
+    """What the cluster (`ray.nodes()`) lacks for the config, one phrase per shortfall."""
+    alive = [n["Resources"] for n in nodes if n.get("Alive", True)]
+    by_label: Dict[Optional[str], List[str]] = defaultdict(list)
+    for role in ROLES:
+        by_label[role_demand(cfg, role)["label"]].append(role)
+    missing = []
+    for label, roles in by_label.items():
+        if label is None:
+            continue
+        where = [r for r in alive if r.get(label, 0) > 0]
+        if not where:
+            missing.append(f"a node with resource '{label}' (cluster.nodes.{roles[0]}); start one with "
+                           f"ray start --resources='{{\"{label}\": 1}}'")
+            continue
+        for kind in ("CPU", "GPU"):
+            demand = sum(role_demand(cfg, r)["count"] * role_demand(cfg, r)[kind] for r in roles)
+            have = sum(r.get(kind, 0.0) for r in where)
+            if demand > have + 1e-9:
+                missing.append(f"{demand:g} {kind} for {'/'.join(roles)} on the nodes with '{label}' (they have {have:g})")
+    for kind in ("CPU", "GPU"):
+        demand = sum(role_demand(cfg, r)["count"] * role_demand(cfg, r)[kind] for r in ROLES)
+        have = sum(r.get(kind, 0.0) for r in alive)
+        if demand > have + 1e-9:
+            missing.append(f"{demand:g} {kind} in all (the cluster has {have:g})")
+    return missing
+
+
+class PlacementError(RuntimeError):
+    pass
+
+
+class Placement:
+    """The placement groups of every role, created and ready before any actor starts."""
+
+    def __init__(self, cfg, timeout_s: float):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.groups = {}
+        for role in ROLES:
+            strategy = getattr(cfg.cluster.strategy, role)
+            self.groups[role] = placement_group(bundles(cfg, role), strategy=strategy, name=f"grpo-{role}")
+        ready = {g.ready(): role for role, g in self.groups.items()}
+        done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=timeout_s)
+        pending = [role for ref, role in ready.items() if ref not in done]
+        if pending:
+            self.remove()
+            raise PlacementError(f"the placement groups of {', '.join(pending)} could not be placed within "
+                                 f"cluster.placement_timeout_s={timeout_s:g}s: too strict a cluster.strategy "
+                                 "for the nodes, or resources held by another job")
+
+    def options(self, role: str, index: int) -> dict:
+        """Actor options that pin actor `index` of `role` to its bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[role], placement_group_bundle_index=index,
+            placement_group_capture_child_tasks=False)}
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups.values():
+            remove_placement_group(group)
