@@ -59,12 +59,3 @@ def roles(ray_session, system_cfg):
     yield roles
     roles.shutdown()
 
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (`make test` runs two workers, `--dist loadgroup`): a module's tests stay
-    on one worker (module fixtures such as test_resume's three runs are made once), and the
-    modules that share the session's actors (`roles`) stay together, so they are started once."""
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        group = "roles" if module in ("test_system", "test_weight_sync") else module
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -1,6 +1,7 @@
 """Integration tests on the real stack: Ray actors, vLLM (CPU build), DeepSpeed ZeRO-2 over gloo."""
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 
@@ -10,6 +11,9 @@ from cluster.prompt_group import PromptGroup
 from cluster.train import evaluate, grpo_step, warm_up
 from rollout.datasets import PromptSampler, load_problems
 from rollout.pool import as_batch
+
+# make test's two xdist workers: these tests and test_system/test_weight_sync share one (the session's actors).
+pytestmark = pytest.mark.xdist_group("roles")
 
 REQUIRED_KEYS = {
     "step", "policy_version", "reward_mean", "reward_std", "accuracy", "kl", "clip_fraction",
