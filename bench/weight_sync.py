@@ -163,7 +163,8 @@ def main() -> int:
 
     from cluster.train import ACTOR_ENV
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV})
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": ACTOR_ENV})
     rows = []
     for size in args.sizes:
         rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb))

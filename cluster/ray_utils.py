@@ -30,6 +30,8 @@ def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = 
         url = getattr(context, "dashboard_url", None)
         return f"http://{url}" if url and not url.startswith("http") else url
     # Quiet: the progress bar is the run's voice; actor errors still reach the driver as exceptions.
-    ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
+    # address="local": a Ray of its own, never a Ray some other process started on this machine
+    # (ray.init() would join that one).
+    ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     return None

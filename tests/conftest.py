@@ -45,7 +45,8 @@ def ray_session():
     from cluster.train import ACTOR_ENV
 
     # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    # address="local": each xdist worker starts a Ray of its own instead of joining the other's.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})
     yield ray
     ray.shutdown()
