@@ -18,8 +18,6 @@ import pytest
 from cluster.ray_utils import free_port
 from conftest import small_overrides
 
-# make test's two xdist workers: one runs this whole module (its module fixtures are made once).
-pytestmark = pytest.mark.xdist_group("jobs")
 
 BIN = Path(sys.executable).parent
 GRPO, RAY = str(BIN / "grpo"), str(BIN / "ray")

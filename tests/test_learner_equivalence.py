@@ -12,8 +12,6 @@ import torch
 from cluster.prompt_group import PromptGroup
 from learner.group import LearnerGroup
 
-# make test's two xdist workers: one runs this whole module (its module fixtures are made once).
-pytestmark = pytest.mark.xdist_group("learner_equivalence")
 
 G = 4
 

@@ -18,8 +18,6 @@ from cluster.checkpoint import complete_checkpoints
 from conftest import small_overrides
 from test_cli import GRPO, run
 
-# make test's two xdist workers: one runs this whole module (its module fixtures are made once).
-pytestmark = pytest.mark.xdist_group("resume")
 
 STEPS = 4
 KILL_AFTER = 2  # 16 training prompts, 8 per step: step 2 ends the first epoch

@@ -16,8 +16,6 @@ from hostile_cases import BUILTIN, CUSTOM, F_TESTS, GOOD_CODE, cases
 from reward.pool import VerifierPool, summarize
 from reward.registry import VerifierSettings
 
-# make test's two xdist workers: one runs this whole module (its module fixtures are made once).
-pytestmark = pytest.mark.xdist_group("reward_pool")
 
 TIMEOUT_S = 2.0
 

@@ -12,8 +12,6 @@ from cluster.train import evaluate, grpo_step, warm_up
 from rollout.datasets import PromptSampler, load_problems
 from rollout.pool import as_batch
 
-# make test's two xdist workers: these tests and test_system/test_weight_sync share one (the session's actors).
-pytestmark = pytest.mark.xdist_group("roles")
 
 REQUIRED_KEYS = {
     "step", "policy_version", "reward_mean", "reward_std", "accuracy", "kl", "clip_fraction",

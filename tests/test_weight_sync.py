@@ -16,8 +16,6 @@ from rollout.datasets import load_problems
 from rollout.pool import RolloutPool
 from rollout.worker import GenerationWorker
 
-# make test's two xdist workers: these tests and test_system/test_weight_sync share one (the session's actors).
-pytestmark = pytest.mark.xdist_group("roles")
 
 
 PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
