@@ -1,7 +1,6 @@
 """Integration tests on the real stack: Ray actors, vLLM (CPU build), DeepSpeed ZeRO-2 over gloo."""
 from __future__ import annotations
 
-import pytest
 import ray
 import torch
 
@@ -92,6 +91,7 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
     # before this step's push, so some groups are one version old and must be made again.
     cfg.trainer.mode, cfg.trainer.async_lookahead, cfg.algo.max_staleness = "async", 1, 0
     train_set = load_problems(cfg.data, cfg.trainer.seed).train
+    roles.learner.call("snapshot_reference")  # the KL's reference, whichever tests ran before
     version = roles.channel.version
     batches = AsyncBatches(roles, PromptSampler(train_set, 3), cfg, 1, 4, cfg.trainer.async_lookahead)
     buffer, rows, versions = RecordingBuffer(), [], []
@@ -157,6 +157,7 @@ def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_l
     cfg = copy.deepcopy(system_cfg)
     cfg.trainer.prompts_per_step = 16
     train_set = load_problems(cfg.data, cfg.trainer.seed).train
+    roles.learner.call("snapshot_reference")  # the KL's reference, whichever tests ran before
     version = roles.channel.version
     batches, buffer, rows, versions = SyncBatches(roles, PromptSampler(train_set, 9), cfg), RecordingBuffer(), [], []
     victim = roles.rollout.workers[1]
