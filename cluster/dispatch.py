@@ -71,8 +71,6 @@ def add_stats(total: Dict[str, Any], stats: Dict[str, Any], positions: Sequence[
             column = total.setdefault(key, [None] * n)
             for i, v in zip(positions, value):
                 column[i] = v
-        elif key.startswith("max/"):
-            total[key] = max(total.get(key, value), value)
         else:
             total[key] = total.get(key, 0.0) + value
 

@@ -7,7 +7,6 @@ The payloads go from worker to learner without the driver ever fetching them.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 from cluster.prompt_group import PromptGroup
@@ -64,7 +63,6 @@ class GenerationWorker:
                  seeds: Sequence[int]) -> Tuple[Any, ...]:
         """Sample `n` completions for each (index, prompt, answer, row fields); one seed per
         prompt makes it reproducible whichever worker runs it. Returns the groups, then stats."""
-        start = time.perf_counter()
         version = self.policy_version  # weights change only between calls, never during one
         params = [self.sampling_params(n, greedy, seed) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
@@ -85,7 +83,6 @@ class GenerationWorker:
         stats: Dict[str, Any] = {
             "completions": float(sum(g.group_size for g in groups)),
             "completion_tokens": float(sum(len(ids) for g in groups for ids in g.completion_ids)),
-            "max/generate_call_seconds": time.perf_counter() - start,
             "per_item/policy_version": [version] * len(groups),
         }
         return (*groups, stats)
