@@ -11,6 +11,7 @@ Ground floor: imports only Ray (rollout/ and reward/ both use it).
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -63,6 +64,23 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
             out[i] = ref
         idle.append(a)
     return out, stats
+
+
+def call_when_up(method, timeout_s: float = 600.0, poll_s: float = 1.0) -> Any:
+    """`ray.get(method.remote())` on an actor Ray may still be restarting.
+
+    With `max_task_retries=0` Ray fails a call to a restarting actor at once
+    (ActorUnavailableError) instead of queueing it: how long the restart takes (a fresh vLLM
+    engine, a loaded machine) decides whether a plain call succeeds. Retry until it answers; a
+    dead actor (ActorDiedError) or the deadline raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(method.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(poll_s)
 
 
 def add_stats(total: Dict[str, Any], stats: Dict[str, Any], positions: Sequence[int], n: int) -> None:

@@ -10,6 +10,8 @@ from typing import Dict
 
 import ray
 
+from cluster.dispatch import call_when_up
+
 
 class WeightSyncError(RuntimeError):
     pass
@@ -68,7 +70,8 @@ class WeightSyncChannel:
                     raise
             # A generation actor died during the push: Ray restarts it (a fresh engine); re-join
             # every worker and push again, once.
-            ray.get([w.ready.remote() for w in self.rollout.workers], timeout=self.timeout_s)
+            for w in self.rollout.workers:
+                call_when_up(w.ready, self.timeout_s)
             self._join()
             return self._push(version)
 

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import ray
 
-from cluster.dispatch import as_list, chunk_size, dispatch
+from cluster.dispatch import as_list, call_when_up, chunk_size, dispatch
 from rollout.datasets import Problem
 from rollout.worker import GenerationWorker
 
@@ -54,7 +54,7 @@ class RolloutPool:
     def _restarted(self, index: int) -> None:
         """Wait for worker `index` to come back, then give it the current weights; it must then
         hold the channel's version before it generates again."""
-        ray.get(self.workers[index].ready.remote())
+        call_when_up(self.workers[index].ready)
         self.recover()
         versions = self.versions()
         if len(set(versions)) != 1:

@@ -53,10 +53,26 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
-def roles(ray_session, system_cfg):
+def initial_checkpoint(tmp_path_factory):
+    """Where `roles` saves its learner before any test trains it."""
+    return str(tmp_path_factory.mktemp("initial_policy"))
+
+
+@pytest.fixture(scope="session")
+def roles(ray_session, system_cfg, initial_checkpoint):
     from cluster.train import start_roles
 
     roles = start_roles(system_cfg)
+    roles.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model
+    roles.learner.save_checkpoint(initial_checkpoint)
     yield roles
     roles.shutdown()
 
+
+@pytest.fixture
+def initial_roles(roles, initial_checkpoint):
+    """The session's roles with the learner back at its initial weights, optimizer state and
+    reference, whichever tests trained it before (the workers get them with the next push).
+    For tests that measure learning: from another starting point the same steps learn less."""
+    roles.learner.call("load_checkpoint", initial_checkpoint)
+    return roles

@@ -65,7 +65,7 @@ def test_generation_workers_return_refs_not_payloads(roles, system_cfg):
 
 
 ACCURACY_BAR = 0.75
-"""Held-out greedy accuracy that sync mode passes after 20 steps of 32 prompts from the warm-up."""
+"""Held-out greedy accuracy that sync mode passes after 30 steps of 32 prompts from the warm-up."""
 
 
 class RecordingBuffer(RolloutBuffer):
@@ -117,19 +117,21 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
     assert roles.rollout.versions() == [version, version]
 
 
-def test_async_mode_learns_the_built_in_task(roles, system_cfg):
-    """From a warm-up to about 60% (the default job's start), 20 async GRPO steps of 32 prompts
-    must lift held-out greedy accuracy (200 problems) to the bar that sync mode reaches in the
-    steps (`grpo train trainer.max_steps=30 trainer.prompts_per_step=32`, seed 0, measured:
-    sync 61.0% -> 77.5% at step 20, async 61.0% -> 83.5%)."""
+def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
+    """From the default job's warm-up (270 supervised steps from the initial model: 61.0%
+    held-out), 30 async GRPO steps of 32 prompts must lift held-out greedy accuracy (200
+    problems) to the bar that sync mode passes in the same steps (`grpo train
+    trainer.max_steps=30 trainer.prompts_per_step=32`, seed 0, measured: sync 61.0% -> 83.0%,
+    async 61.0% -> 84.5%; async timing varies from run to run: 20 steps gave 69-83.5%)."""
     import copy
 
     from cluster.batches import AsyncBatches
 
     cfg = copy.deepcopy(system_cfg)
-    cfg.trainer.mode, cfg.trainer.max_steps, cfg.trainer.prompts_per_step = "async", 20, 32
+    cfg.trainer.mode, cfg.trainer.max_steps, cfg.trainer.prompts_per_step = "async", 30, 32
     cfg.algo.group_size, cfg.data.heldout_size = 8, 200
-    cfg.warmup.steps, cfg.warmup.target_accuracy, cfg.warmup.check_every = 400, 0.6, 10
+    cfg.warmup.steps, cfg.warmup.target_accuracy = 270, 0.0  # the default job's warm-up
+    roles = initial_roles
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)
     version = warm_up(roles, cfg, train_set)
     before = evaluate(roles, heldout)
