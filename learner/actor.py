@@ -44,6 +44,12 @@ class LearnerRank:
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if not self.on_gpu:
+            # DeepSpeed's CPU backend JIT-loads a shared-memory all-reduce op at start-up, used
+            # only by inference_all_reduce, never in training. Loading it waits on a lock file
+            # that a rank killed while loading leaves behind (a stopped job, a Ctrl-C): every
+            # later learner on the machine then hangs in __init__. Training needs none of it.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         backend = learner_cfg["backend"]
         if backend == "auto":
             backend = "nccl" if self.on_gpu else "gloo"

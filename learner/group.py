@@ -13,11 +13,11 @@ class LearnerError(RuntimeError):
     """A learner rank died: the update cannot continue (its shard of the state is gone)."""
 
 
-def _get(refs):
+def _get(refs, method: str):
     try:
         return ray.get(refs)
     except ray.exceptions.RayActorError as error:
-        raise LearnerError(f"a learner rank died ({type(error).__name__})") from error
+        raise LearnerError(f"a learner rank died during {method} ({type(error).__name__})") from error
 
 
 def _rendezvous_address():
@@ -44,7 +44,7 @@ class LearnerGroup:
 
     def call(self, method: str, *args) -> list:
         """Call `method` on every rank at once (collectives need all of them) and wait."""
-        return _get([getattr(r, method).remote(*args) for r in self.ranks])
+        return _get([getattr(r, method).remote(*args) for r in self.ranks], method)
 
     def warmup(self, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
         return self.call("warmup", steps, batch_size, lr, seed)[0]
@@ -55,7 +55,7 @@ class LearnerGroup:
         if rest or not per_rank:
             raise ValueError(f"{len(group_refs)} prompt groups cannot be split evenly over {len(self.ranks)} ranks")
         shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
-        results = _get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)])
+        results = _get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)], "train_step")
         return {k: sum(m[k] for m in results) / len(results) for k in results[0]}
 
     def save_checkpoint(self, folder: str) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,14 +26,16 @@ GRPO, RAY = str(BIN / "grpo"), str(BIN / "ray")
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head():
     """A Ray head of its own (not the tests' shared local Ray), stopped by its process group
     (`ray stop` would stop every Ray on the machine)."""
     token = secrets.token_hex(32)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
            # The cluster's environment is this one: its `python` has the package.
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    temp = tmp_path_factory.mktemp("rayhead")
+    # Short: Ray's sockets live under it and AF_UNIX paths stop at 107 bytes (pytest-xdist's
+    # base temp, /tmp/pytest-of-USER/pytest-N/popen-gwK/..., plus Ray's session folder is longer).
+    temp = Path(tempfile.mkdtemp(prefix="rayhead-", dir="/tmp"))
     # Every port of its own: the defaults (client server 10001, dashboard agent 52365, ...)
     # are taken when another Ray runs on the machine (the other test worker's).
     ports = {name: free_port() for name in (
@@ -56,6 +60,7 @@ def head(tmp_path_factory):
         proc.wait(30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _job_overrides(model_cache: str, out: Path, steps: int) -> list:
