@@ -69,7 +69,8 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float) -> dict:
     cfg = load_config([])
     model = build(size, cache)
     learner_cfg = {**asdict(cfg.learner), "num_ranks": 1, "zero_stage": 2}
-    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
+    # beta=0: no frozen reference copy, which the sync never reads (2 GB less at 500M).
+    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens, "beta": 0.0}
     rollout_cfg = {**asdict(cfg.rollout), "max_model_len": 256, "kv_cache_gib": 1}
     learner = LearnerGroup(model, learner_cfg, algo, 0)
     pool = RolloutPool(model, rollout_cfg, 2, 0, 0.5, 0)

@@ -180,6 +180,8 @@ def validate(cfg: Config) -> None:
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
     _at_least("rollout.chunks_per_worker", cfg.rollout.chunks_per_worker, 1)
+    if cfg.rollout.kv_cache_gib <= 0:
+        raise ConfigError(f"rollout.kv_cache_gib must be above 0 (got {cfg.rollout.kv_cache_gib})")
     _at_least("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size, 1)
     if cfg.rollout.num_gpus_per_worker and cfg.rollout.num_gpus_per_worker < cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker:g} is less than "

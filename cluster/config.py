@@ -162,7 +162,7 @@ class RolloutConfig:
     max_model_len: int = 128
     """vLLM's context length."""
     kv_cache_gib: float = 1.0
-    """CPU only: KV cache size per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    """CPU only: KV cache size per engine, in GiB (fractions allowed; the tests use 0.25)."""
     gpu_memory_utilization: float = 0.5
     """GPU only: share of the GPU vLLM may take."""
 

@@ -18,11 +18,15 @@ class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
     def __init__(self, model_path: str, rollout_cfg: dict, seed: int):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(rollout_cfg["kv_cache_gib"]))))
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
+        # On CPU the KV cache is a fixed size (fractions of a GiB allowed, unlike the legacy
+        # VLLM_CPU_KVCACHE_SPACE, which still wins if set); on GPU gpu_memory_utilization rules.
+        kv_bytes = int(rollout_cfg["kv_cache_gib"] * 2**30) if current_platform.is_cpu() else None
         self.llm = LLM(
+            kv_cache_memory_bytes=kv_bytes,
             model=model_path,
             dtype=rollout_cfg["dtype"],
             max_model_len=rollout_cfg["max_model_len"],

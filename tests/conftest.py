@@ -25,6 +25,9 @@ def small_overrides(model_cache: str, tmp_dir: str):
         "warmup.check_every=10",
         "warmup.target_accuracy=0.99",  # exercises the probe path: two probes, two pushes
         "logger=none",
+        # Two test workers each hold engines of their own (and some tests start more): the
+        # default 1 GiB of KV cache each would fill this machine's memory.
+        "rollout.kv_cache_gib=0.25",
     ]
 
 

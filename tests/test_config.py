@@ -133,6 +133,7 @@ def test_max_new_tokens_must_leave_room_for_prompt():
     ("data.source=csv", "data.source"),
     ("data.min_digits=1", "data.min_digits"),
     ("trainer.progress=maybe", "trainer.progress"),
+    ("rollout.kv_cache_gib=0", "rollout.kv_cache_gib"),
 ])
 def test_other_invalid_values_name_the_key(override, key):
     assert key in config_error(override)
