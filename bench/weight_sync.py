@@ -113,13 +113,13 @@ print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds}))
 """
 
 
-def generation(cache: str, num_prompts: int, repeats: int) -> dict:
+def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: int) -> dict:
     from cluster.compose import load_config
     from cluster.train import resolve_model
     from rollout.datasets import load_problems
     from rollout.pool import RolloutPool
 
-    cfg = load_config([f"model.cache_dir={cache}"])
+    cfg = load_config([f"model.cache_dir={cache}", f"rollout.chunks_per_worker={chunks_per_worker}"])
     model = resolve_model(cfg)
     train = load_problems(cfg.data, 0).train[:num_prompts]
     batch = list(enumerate(train))
@@ -158,6 +158,7 @@ def main() -> int:
     parser.add_argument("--cache", default=str(Path("~/.cache/grpo/models").expanduser()))
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunks-per-worker", type=int, default=4, help="rollout.chunks_per_worker of the pool")
     parser.add_argument("--output", default="runs/bench/weight_sync.json")
     args = parser.parse_args()
     import ray
@@ -170,7 +171,7 @@ def main() -> int:
     for size in args.sizes:
         rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb))
         print(json.dumps(rows[-1]), flush=True)
-    gen = generation(args.cache, args.prompts, args.repeats)
+    gen = generation(args.cache, args.prompts, args.repeats, args.chunks_per_worker)
     print(json.dumps(gen), flush=True)
     ray.shutdown()
 
@@ -188,7 +189,7 @@ def main() -> int:
     if fixed is not None:
         lines.append(f"\nfixed cost per sync (intercept of push time against bytes): {fixed * 1000:.0f} ms")
     lines += ["", "| generation, built-in model | completions | tokens/s |", "| --- | --- | --- |",
-              f"| rollout pool, {2} workers (chunks to whichever is free) | {gen['completions']} | "
+              f"| rollout pool, 2 workers, chunks_per_worker={args.chunks_per_worker} | {gen['completions']} | "
               f"{gen['system_tokens_per_s']:.0f} |",
               f"| one standalone vLLM engine, same prompts and seeds | {gen['completions']} | "
               f"{gen['standalone_tokens_per_s']:.0f} |"]
