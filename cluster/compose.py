@@ -164,6 +164,7 @@ def validate(cfg: Config) -> None:
     _at_least("reward.num_workers", cfg.reward.num_workers, 1)
     _one_of("learner.zero_stage", cfg.learner.zero_stage, (0, 1, 2, 3))
     _one_of("learner.backend", cfg.learner.backend, ("auto", "gloo", "nccl"))
+    _one_of("learner.optimizer", cfg.learner.optimizer, ("adamw", "sgd"))
     _one_of("learner.lr_schedule", cfg.learner.lr_schedule, ("constant", "linear"))
     _one_of("data.source", cfg.data.source, ("arithmetic", "jsonl", "hf"))
     _one_of("model.name", cfg.model.name, ("tiny", "hf"))

@@ -29,6 +29,9 @@ class ModelConfig:
     """Tiny model only: longest prompt + completion in tokens."""
     tie_word_embeddings: bool = True
     """Tiny model only: share the input embedding and the output head."""
+    vocab_size: int = 0
+    """Tiny model only: rows of the embedding and output head (0: the tokenizer's size, padded
+    to 16). Set it to a real model's (151936 for Qwen2.5) to measure memory at that size."""
 
 
 @dataclass
@@ -180,8 +183,11 @@ class LearnerConfig:
     """`linear` decays lr to lr * min_lr_ratio at the last GRPO step; `constant` keeps it."""
     min_lr_ratio: float = 0.1
     """Where the linear schedule ends, as a fraction of lr."""
+    optimizer: str = "adamw"
+    """`adamw`, or `sgd` (plain, no momentum: the update is linear in the gradient, which is
+    what the learner-equivalence tests compare; rarely what a run wants)."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """Weight decay (decoupled for AdamW)."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
     max_tokens_per_microbatch: int = 0

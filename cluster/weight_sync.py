@@ -143,3 +143,11 @@ def broadcast(sync_group: SyncGroup, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     sync_group.group.broadcast([tensor], opts).wait()
+
+
+def settle(sync_group: SyncGroup) -> None:
+    """Wait until every broadcast issued on this group has really moved its bytes. On NCCL,
+    `Work.wait()` only orders the GPU stream and returns before any byte moved: a clock read
+    without this measures queueing. Gloo's broadcast is already done when wait() returns."""
+    if sync_group.device.startswith("cuda"):
+        torch.cuda.synchronize(sync_group.device)

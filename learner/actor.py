@@ -16,6 +16,7 @@ import torch
 from cluster import weight_sync
 from cluster.ray_utils import free_port, node_ip
 from learner import grpo, ppo
+from learner.logprobs import token_logprobs
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -72,8 +73,8 @@ class LearnerRank:
             "bf16": {"enabled": self.on_gpu},
             "steps_per_print": 10**9,
         }, learner_cfg.get("deepspeed") or {})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg["lr"],
-                                      weight_decay=learner_cfg["weight_decay"])
+        optim_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[learner_cfg["optimizer"]]
+        optimizer = optim_class(model.parameters(), lr=learner_cfg["lr"], weight_decay=learner_cfg["weight_decay"])
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
@@ -107,16 +108,20 @@ class LearnerRank:
     def _token_logprobs(self, model, input_ids, attention_mask, temperature: float = 1.0,
                         entropy: bool = False):
         """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]; with `entropy`, also the
-        policy's entropy at each of those positions (no gradient), as a pair."""
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_p = torch.log_softmax(logits, dim=-1)
-        chosen = log_p.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        if not entropy:
-            return chosen
-        with torch.no_grad():
-            return chosen, -(log_p.exp() * log_p).sum(-1)
+        policy's entropy at each of those positions (no gradient), as a pair. Never a full
+        float32 log-softmax: see learner/logprobs.py."""
+        return token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=entropy)
+
+    @torch.no_grad()
+    def _fixed_logprobs(self, model, ids, attention, temperature: float):
+        """Log-probs [N, T-1] of a model that does not change during the step (pi_old, pi_ref),
+        in the same micro-batches as the update, so a forward's memory is bounded by the
+        token budget, not the batch."""
+        out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=self.device)
+        for micro in self._micro_batches(torch.arange(ids.shape[0], device=self.device), attention):
+            T = int(attention[micro].sum(dim=1).max())
+            out[micro, :T - 1] = self._token_logprobs(model, ids[micro, :T], attention[micro, :T], temperature)
+        return out
 
     def _pad(self, sequences: List[List[int]], completion_starts: List[int]):
         """Right-padded ids, attention mask, and the mask of completion tokens (as targets)."""
@@ -229,12 +234,12 @@ class LearnerRank:
             # With one update per batch, pi_old is the policy being differentiated: its
             # log-probs are the same numbers, detached (saves a forward pass; ratio = 1).
             old_logprobs = (None if single_update and not ppo_mode and not use_is
-                            else self._token_logprobs(self.engine, ids, attention, temperature))
+                            else self._fixed_logprobs(self.engine, ids, attention, temperature))
             is_weights, is_metrics = None, {}
             if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
                 is_weights, is_metrics = grpo.truncated_is_weights(old_logprobs, sampler_logprobs, mask,
                                                                    self.algo["is_cap"])
-            ref_logprobs = (self._token_logprobs(self.ref_model, ids, attention, temperature)
+            ref_logprobs = (self._fixed_logprobs(self.ref_model, ids, attention, temperature)
                             if self.ref_model is not None else None)
             if ppo_mode:  # token-level advantages from the critic (GAE); the KL is in the reward
                 old_values = self._values(ids, attention)
@@ -443,6 +448,8 @@ class LearnerRank:
                 if self.rank == 0:
                     flat = weight_sync.pack(tensors, spec.dtype).to(self.sync_group.device)
                     weight_sync.broadcast(self.sync_group, flat)
+        if self.rank == 0:
+            weight_sync.settle(self.sync_group)
         seconds = time.perf_counter() - start
         return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
                 "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9,

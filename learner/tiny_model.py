@@ -45,6 +45,8 @@ def tiny_model_dir(model_cfg, seed: int) -> Path:
         "max_position_embeddings": model_cfg.max_position_embeddings,
         "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS, "seed": seed,
     }
+    if model_cfg.vocab_size:  # only when set: folders built before the option keep their names
+        spec["vocab_size"] = model_cfg.vocab_size
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-qwen2-{digest}"
 
@@ -62,7 +64,7 @@ def build_tiny_model(model_cfg, seed: int = 0) -> str:
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        vocab_size=_vocab_size(tokenizer),
+        vocab_size=max(model_cfg.vocab_size, _vocab_size(tokenizer)),
         hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size,
         num_hidden_layers=model_cfg.num_layers,

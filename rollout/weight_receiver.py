@@ -30,7 +30,10 @@ class WeightReceiver:
         """
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
         start = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=self._receive(spec), is_checkpoint_format=True)
+        # The worker's own reload_weights (not its model runner's): it sets vLLM's config context
+        # that the layerwise reload reads.
+        self.reload_weights(weights_iterator=self._receive(spec), is_checkpoint_format=True)
+        weight_sync.settle(self._sync_group)
         return {"load_s": time.perf_counter() - start}
 
     def _receive(self, spec: weight_sync.WeightSpec) -> Iterator[Tuple[str, "object"]]:

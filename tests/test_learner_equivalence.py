@@ -1,19 +1,43 @@
-"""DeepSpeed for real: one GRPO optimizer step on the same batch gives the same parameters
-(within fp32 rounding) for 1 vs 2 data-parallel ranks and for ZeRO stages 0, 1, 2 and 3."""
+"""DeepSpeed for real: one GRPO step on the same batch is the same step for 1 or 2 data-parallel
+ranks, ZeRO stages 0-3 and micro-batching, and it is the GRPO gradient a plain PyTorch
+computation of the loss gives.
+
+What the ranks and stages must agree on is the reduced gradient. It is compared before any
+optimizer can amplify rounding: the runs use plain SGD (`learner.optimizer=sgd`, lr 1), whose
+update is the (clipped) gradient itself, and the test measures the largest difference of any
+element relative to the largest gradient element. Reduction-order rounding in fp32 moves that
+by about 1e-6 (at most 2e-6 seen); the tolerance is 1e-4; each known wrong implementation moves
+it by 1.4e-2 (ranks normalising by their own token counts) to 1.1 (a missing all-reduce), which
+`test_known_wrong_implementations_fail` shows on the same batch.
+
+AdamW's first step is about lr * g / (|g| + eps): it turns rounding in gradients near zero into
+whole-lr differences. The one end-to-end AdamW check therefore bounds each element by what
+that map can do to the gradient difference the SGD check allows (see `_adam_tolerance`).
+"""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 from cluster.prompt_group import PromptGroup
+from learner import grpo
 from learner.group import LearnerGroup
 
 
 G = 4
+SGD_LR = 1.0       # the update is -clip(g): the gradient, read off the weights
+ADAM_LR = 1e-3
+ADAM_EPS = 1e-8    # torch.optim.AdamW's default, which the learner uses
+GRAD_RTOL = 1e-4   # rounding gave up to 2e-6 here; the wrong implementations 1.4e-2 to 1.1
+# DAPO-style settings whose normalisation depends on how tokens are split over ranks.
+DAPO = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overlong_penalty=0.5,
+            clip_high=0.28, beta=0.0, max_length=10)  # completions of 2-9 tokens: 7-9 are penalised
 
 
 def _batch(vocab: int, num_groups: int = 4):
@@ -30,72 +54,201 @@ def _batch(vocab: int, num_groups: int = 4):
     return groups
 
 
-def _one_step(cfg, num_ranks: int, zero_stage: int, groups, micro_tokens: int = 0, **algo):
-    learner_cfg = {**asdict(cfg.learner), "num_ranks": num_ranks, "zero_stage": zero_stage,
-                   "minibatches": 1, "num_cpus_per_rank": 0.1, "max_tokens_per_microbatch": micro_tokens}
+def _one_step(cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0, optimizer: str = "sgd",
+              **algo):
+    """One real GRPO step; returns the update per unit of lr (for SGD: the clipped gradient),
+    the metrics, and the weights before the step."""
+    lr = SGD_LR if optimizer == "sgd" else ADAM_LR
+    learner_cfg = {**asdict(cfg.learner), "num_ranks": num_ranks, "zero_stage": zero_stage, "minibatches": 1,
+                   "num_cpus_per_rank": 0.1, "max_tokens_per_microbatch": micro_tokens, "optimizer": optimizer}
     algo_cfg = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens, **algo}
     learner = LearnerGroup(cfg.model.path, learner_cfg, algo_cfg, cfg.trainer.seed)
     try:
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]  # a collective under ZeRO-3: every rank joins
-        metrics = learner.train_step([ray.put(g) for g in groups], 1.0, LR)
+        metrics = learner.train_step([ray.put(g) for g in groups], 1.0, lr)
         states = learner.call("state_copy")
     finally:
         learner.shutdown()
     for other in states[1:]:  # every rank holds the same full model after the step
         assert all(torch.equal(states[0][k], other[k]) for k in states[0])
-    return before, states[0], metrics
+    update = {k: (before[k] - states[0][k]) / lr for k in before}
+    return update, metrics, before
 
 
+def mismatch(update: dict, reference: dict) -> float:
+    """Largest element-wise difference, relative to the reference's largest element."""
+    assert update.keys() == reference.keys()
+    scale = max(float(v.abs().max()) for v in reference.values())
+    assert scale > 0, "the reference step changed nothing"
+    return max(float((update[k] - reference[k]).abs().max()) for k in reference) / scale
+
+
+def assert_same_gradient(update: dict, reference: dict) -> None:
+    error = mismatch(update, reference)
+    assert error <= GRAD_RTOL, f"gradients differ by {error:.2e} of the largest element (allowed {GRAD_RTOL:.0e})"
+
+
+# ---- the same loss in plain PyTorch, right and wrong -------------------------------------
+class PlainGRPO:
+    """The learner's GRPO loss for one optimizer step, in one process without DeepSpeed:
+    the correct gradient and the gradients of known mistakes."""
+
+    def __init__(self, model_path: str, groups, clip: float, **algo):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.algo, self.clip = algo, clip
+        seqs = [list(g.prompt_ids) + list(c) for g in groups for c in g.completion_ids]
+        starts = [len(g.prompt_ids) for g in groups for _ in g.completion_ids]
+        length = max(map(len, seqs))
+        self.ids = torch.zeros((len(seqs), length), dtype=torch.long)
+        self.attention = torch.zeros_like(self.ids)
+        self.mask = torch.zeros((len(seqs), length - 1), dtype=torch.bool)
+        for i, (seq, start) in enumerate(zip(seqs, starts)):
+            self.ids[i, :len(seq)] = torch.tensor(seq)
+            self.attention[i, :len(seq)] = 1
+            self.mask[i, start - 1:len(seq) - 1] = True
+        rewards = torch.tensor([r for g in groups for r in g.rewards])
+        self.A = grpo.compute_advantages(rewards, G, scale="group", eps=1e-4)
+
+    def loss(self, rows, num_tokens=None):
+        rows = torch.tensor(rows)
+        logits = self.model(input_ids=self.ids[rows], attention_mask=self.attention[rows]).logits[:, :-1]
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, self.ids[rows, 1:, None]).squeeze(-1)
+        loss, _ = grpo.policy_loss(logprobs, logprobs.detach(), logprobs.detach(), self.A[rows], self.mask[rows],
+                                   num_tokens=num_tokens, **self.algo)
+        return loss
+
+    def gradient(self, losses) -> dict:
+        """The gradient of sum(weight * loss) over (weight, loss) pairs, clipped like the learner's."""
+        self.model.zero_grad()
+        for weight, loss in losses:
+            (weight * loss).backward()
+        grads = {k: p.grad.detach().clone() for k, p in self.model.named_parameters()}
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+        scale = min(1.0, self.clip / (norm + 1e-6))
+        out = {k: grads[k] * scale for k in grads}
+        if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:  # tied: one tensor
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+
+# ---- fixtures ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def batch(system_cfg):
-    import json
-    from pathlib import Path
-
     vocab = json.loads((Path(system_cfg.model.path) / "config.json").read_text())["vocab_size"]
     return _batch(vocab)
 
 
 @pytest.fixture(scope="module")
 def reference(ray_session, system_cfg, batch):
-    return _one_step(system_cfg, 1, 2, batch)
+    return _one_step(system_cfg, batch, 1, 2)
 
 
-LR = 1e-3
+def _algo(cfg, **override) -> dict:
+    a = {**asdict(cfg.algo), **override}
+    return dict(clip_low=a["clip_low"], clip_high=a["clip_high"], beta=a["beta"], kl_estimator=a["kl_estimator"],
+                loss_agg=a["loss_agg"])
 
 
-def _assert_close(a, b):
-    # Adam's first step moves each weight by lr * g / (|g| + eps): for a gradient near eps, the
-    # last bits that a different reduction order changes become a visible share of lr. 1% of
-    # one step is far below any real difference (a wrong shard or a lost rank moves whole steps).
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=LR * 1e-2, msg=lambda m: f"{k}: {m}")
+def _plain(cfg, batch, **override) -> PlainGRPO:
+    return PlainGRPO(cfg.model.path, batch, cfg.learner.grad_clip, **_algo(cfg, **override))
+
+
+# ---- the tests ---------------------------------------------------------------------------
+def test_one_rank_step_is_the_plain_grpo_gradient(system_cfg, batch, reference):
+    update, _, _ = reference
+    plain = _plain(system_cfg, batch)
+    assert_same_gradient(update, plain.gradient([(1.0, plain.loss(range(len(plain.ids))))]))
 
 
 @pytest.mark.parametrize("num_ranks, zero_stage, micro_tokens", [
     (2, 2, 0), (2, 3, 0), (2, 0, 0), (2, 1, 0),
     (1, 2, 30), (2, 2, 30), (2, 3, 30),  # micro-batches of at most 30 padded tokens, accumulated
 ])
-def test_same_step_for_any_rank_count_zero_stage_and_micro_batching(system_cfg, batch, reference, num_ranks,
-                                                                     zero_stage, micro_tokens):
-    before, after, metrics = reference
-    assert any(not torch.equal(before[k], after[k]) for k in before), "the step changed nothing"
-    _, other, other_metrics = _one_step(system_cfg, num_ranks, zero_stage, batch, micro_tokens)
-    _assert_close(after, other)
-    assert other_metrics["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(system_cfg, batch, reference, num_ranks,
+                                                                         zero_stage, micro_tokens):
+    update, metrics, _ = reference
+    other, other_metrics, _ = _one_step(system_cfg, batch, num_ranks, zero_stage, micro_tokens)
+    assert_same_gradient(other, update)
+    assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
     assert other_metrics["micro_batches"] > 1 if micro_tokens else other_metrics["micro_batches"] == 1
+
+
+def _adam_tolerance(gradient: dict, weights: dict):
+    """Per-element bound on how far two AdamW first steps (per unit of lr) may differ when
+    their gradients differ by at most GRAD_RTOL * max|g|.
+
+    The first AdamW step is u(g) = g / (|g| + eps) (bias-corrected moments are g and g^2), with
+    |du/dg| = eps / (|g| + eps)^2. Where |g| >= tau = 10 * GRAD_RTOL * max|g| the gradient cannot
+    change sign, and |du| <= eps * GRAD_RTOL * max|g| / (|g| - GRAD_RTOL * max|g|)^2. Below tau
+    only |u| <= 1 holds, so two steps differ by at most 2. Plus fp32 rounding in each run: of
+    AdamW's own arithmetic (a few ulps of |u| <= 1: 2**-21 for both runs) and of w - lr * u
+    (half an ulp of |w| each: 2**-24 * |w| / lr together); both bounds are doubled for margin.
+    """
+    scale = max(float(g.abs().max()) for g in gradient.values())
+    dg = GRAD_RTOL * scale
+    bounds = {}
+    for k, g in gradient.items():
+        a = g.abs().double()
+        sure = a >= 10 * dg
+        bound = torch.where(sure, ADAM_EPS * dg / (a - dg).clamp(min=1e-30) ** 2, torch.full_like(a, 2.0))
+        bounds[k] = bound + 2.0 ** -20 + 2.0 ** -23 * weights[k].abs().double() / ADAM_LR
+    return bounds
+
+
+def test_same_adamw_step_end_to_end(system_cfg, batch, reference):
+    gradient, _, _ = reference  # the clipped gradient AdamW gets
+    one, _, weights = _one_step(system_cfg, batch, 1, 2, optimizer="adamw")
+    two, _, _ = _one_step(system_cfg, batch, 2, 3, micro_tokens=30, optimizer="adamw")
+    bounds = _adam_tolerance(gradient, weights)
+    confident = sum(int((b < 1).sum()) for b in bounds.values())
+    total = sum(b.numel() for b in bounds.values())
+    assert confident > 0.5 * total, "most gradient elements should be well away from zero"
+    for k in one:
+        diff = (one[k] - two[k]).abs().double()
+        assert (diff <= bounds[k]).all(), f"{k}: AdamW steps differ by {float((diff - bounds[k]).max()):.2e} over the bound"
+    assert any(float(u.abs().max()) > 0.5 for u in one.values()), "AdamW's first step moves weights by about lr"
 
 
 def test_dapo_token_mean_is_normalised_over_the_whole_batch(ray_session, system_cfg, batch):
     # The two ranks hold different numbers of tokens: dividing each rank's sum by its own count
     # would weight tokens differently than one rank does; the global count makes them agree.
-    dapo = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overlong_penalty=0.5,
-                clip_high=0.28, beta=0.0, max_length=10)  # completions of 2-9 tokens: 7-9 are penalised
-    _, one, one_metrics = _one_step(system_cfg, 1, 2, batch, **dapo)
-    _, two, two_metrics = _one_step(system_cfg, 2, 2, batch, **dapo)
-    _assert_close(one, two)
-    _, micro, _ = _one_step(system_cfg, 2, 2, batch, micro_tokens=30, **dapo)
-    _assert_close(one, micro)
+    one, one_metrics, _ = _one_step(system_cfg, batch, 1, 2, **DAPO)
+    two, two_metrics, _ = _one_step(system_cfg, batch, 2, 2, **DAPO)
+    assert_same_gradient(two, one)
+    micro, _, _ = _one_step(system_cfg, batch, 2, 2, micro_tokens=30, **DAPO)
+    assert_same_gradient(micro, one)
     assert one_metrics["overlong_penalty_mean"] == pytest.approx(two_metrics["overlong_penalty_mean"])
     assert one_metrics["overlong_penalty_mean"] < 0  # some completions reach the buffer
+
+
+def test_known_wrong_implementations_fail(ray_session, system_cfg, batch, reference):
+    """The comparison above has the power to catch the bugs it is for, on this very batch."""
+    rows = list(range(len(batch) * G))
+    half = len(rows) // 2  # rank r of 2 holds whole groups: rows [r*half, (r+1)*half)
+    shards = [rows[:half], rows[half:]]
+
+    # token-mean over 2 ranks: the real learner equals the global-count gradient...
+    token_mean, _, _ = _one_step(system_cfg, batch, 2, 2, loss_agg="token-mean")
+    plain = _plain(system_cfg, batch, loss_agg="token-mean")
+    assert_same_gradient(token_mean, plain.gradient([(1.0, plain.loss(rows))]))
+    tokens = float(plain.mask.sum())
+    wrong = {
+        # ...not each rank's own mean, averaged over ranks
+        "own token count per rank": plain.gradient([(0.5, plain.loss(s)) for s in shards]),
+        # ...nor rank 0's gradient alone (no all-reduce)
+        "no gradient all-reduce": plain.gradient([(1.0, plain.loss(shards[0], num_tokens=tokens / 2))]),
+    }
+    # seq-mean-token-mean in micro-batches of unequal rows: weighted by rows, not equally.
+    update, _, _ = reference
+    plain = _plain(system_cfg, batch)
+    micros = [rows[:3], rows[3:]]
+    assert_same_gradient(update, plain.gradient([(len(m) / len(rows), plain.loss(m)) for m in micros]))
+    wrong["micro-batches weighted equally"] = plain.gradient([(1 / len(micros), plain.loss(m)) for m in micros])
+
+    for name, gradient in wrong.items():
+        reference_update = token_mean if name != "micro-batches weighted equally" else update
+        error = mismatch(gradient, reference_update)
+        assert error > 10 * GRAD_RTOL, f"{name}: only {error:.2e} from the right gradient"
