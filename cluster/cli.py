@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a GRPO training job (Hydra-style overrides: a.b=1 group=option)")
     train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     train.add_argument("overrides", nargs="*", help="e.g. trainer.max_steps=10 logger=none +reward.weights.x=1")
+    evaluate = sub.add_parser("eval", help="evaluate a saved model (greedy, pass@k, maj@k) without training")
+    evaluate.add_argument("model_dir", help="a Hugging Face model folder, e.g. runs/<name>/final_model")
+    evaluate.add_argument("overrides", nargs="*", help="e.g. eval.n=8 data=jsonl data.eval_path=test.jsonl")
     verify = sub.add_parser("verify", help="score a JSONL file of completions with the verifier pool")
     verify.add_argument("--verifiers", required=True, help="comma-separated, e.g. math,format or code")
     verify.add_argument("--input", required=True, help="JSONL rows {prompt, completion, answer[, tests]}")
@@ -73,19 +76,29 @@ def main(argv: Optional[List[str]] = None) -> int:
             except VerifyInputError as exc:
                 return _fail(str(exc))
             return 0
-        if args.cfg:
+        if getattr(args, "cfg", False):
             from omegaconf import OmegaConf
 
             load_config(args.overrides)  # an impossible setting fails here, before printing
             print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
             return 0
-        cfg = load_config(args.overrides)
+        if args.command == "eval":
+            if not os.path.isdir(args.model_dir):
+                return _fail(f"eval: no such model folder '{args.model_dir}'")
+            cfg = load_config(["model=hf", f"model.path={os.path.abspath(args.model_dir)}", *args.overrides])
+        else:
+            cfg = load_config(args.overrides)
         from cluster.train import train
         from rollout.datasets import DataError
 
         from learner.group import LearnerError
 
         try:
+            if args.command == "eval":
+                from cluster.eval_job import evaluate_model
+
+                evaluate_model(cfg)
+                return 0
             train(cfg)
         except DataError as exc:
             return _fail(str(exc))

@@ -164,6 +164,17 @@ def validate(cfg: Config) -> None:
     _at_least("reward.num_workers", cfg.reward.num_workers, 1)
     _one_of("learner.zero_stage", cfg.learner.zero_stage, (0, 1, 2, 3))
     _one_of("learner.backend", cfg.learner.backend, ("auto", "gloo", "nccl"))
+    _one_of("data.chat_template", str(cfg.data.chat_template).lower(), ("auto", "true", "false"))
+    _at_least("eval.n", cfg.eval.n, 0)
+    for k in cfg.eval.k:
+        if not 1 <= k <= max(cfg.eval.n, 1):
+            raise ConfigError(f"eval.k={list(cfg.eval.k)}: each k must be between 1 and eval.n={cfg.eval.n}")
+    if cfg.eval.n and cfg.eval.temperature <= 0:
+        raise ConfigError(f"eval.temperature must be > 0 for sampled evaluation (got {cfg.eval.temperature})")
+    if cfg.data.eval_path and cfg.data.eval_split:
+        raise ConfigError("data.eval_path and data.eval_split: give one evaluation set, not both")
+    if cfg.data.eval_split and cfg.data.source != "hf":
+        raise ConfigError("data.eval_split is a split of a `datasets` set (data=hf); for a file use data.eval_path")
     _one_of("learner.optimizer", cfg.learner.optimizer, ("adamw", "sgd"))
     _one_of("learner.lr_schedule", cfg.learner.lr_schedule, ("constant", "linear"))
     _one_of("data.source", cfg.data.source, ("arithmetic", "jsonl", "hf"))

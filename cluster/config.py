@@ -58,6 +58,20 @@ class DataConfig:
     """arithmetic: fewest digits of an operand (at least 2)."""
     max_digits: int = 2
     """arithmetic: most digits of an operand."""
+    prompt_template: Optional[str] = None
+    """A format string over the row's fields, e.g. `"{question}\\nPut your final answer within
+    \\\\boxed{{}}."` (`{prompt}` is the prompt field; `{{ }}` literal braces). None: the prompt as is."""
+    system_prompt: Optional[str] = None
+    """A system message (with a chat template) or a paragraph before the prompt (without)."""
+    chat_template: str = "auto"
+    """`true`: apply the tokenizer's chat template; `false`: never; `auto`: when the tokenizer has
+    one and the rows are conversations, a system prompt is set, or the model's name says
+    instruct/chat/-it."""
+    eval_path: Optional[str] = None
+    """An evaluation file (JSONL or Parquet, the same fields): evaluate on it instead of rows held
+    out of the training data (which then all train)."""
+    eval_split: Optional[str] = None
+    """hf: an evaluation split of the same dataset (e.g. `test`), instead of held-out rows."""
 
 
 @dataclass
@@ -153,6 +167,9 @@ class RolloutConfig:
     """Nucleus sampling for training rollouts."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0: all)."""
+    stop_token_ids: List[int] = field(default_factory=list)
+    """Token ids that end a completion, besides the tokenizer's EOS, the model's
+    generation_config.json list and the chat format's end-of-turn token (all added at start)."""
     stop: List[str] = field(default_factory=list)
     """Strings that end a completion (besides EOS), e.g. ["</answer>"]."""
     include_stop_str: bool = True
@@ -277,6 +294,17 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    n: int = 0
+    """Samples per evaluation prompt at eval.temperature, for pass@1 (mean over samples), pass@k
+    and maj@k; 0: greedy accuracy only (what heldout_accuracy always reports)."""
+    temperature: float = 1.0
+    """Sampling temperature of the eval.n samples."""
+    k: List[int] = field(default_factory=list)
+    """The k of pass@k and maj@k (each at most eval.n); empty: 1 and eval.n."""
+
+
+@dataclass
 class RoleNodes:
     rollout: Optional[str] = None
     """Custom node resource the generation actors need (e.g. `gen`: only nodes started with
@@ -336,6 +364,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -13,7 +13,7 @@ and names what is missing, instead of leaving a placement group pending forever.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 ROLES = ("rollout", "learner", "reward")
 LABEL_SHARE = 0.001
@@ -42,28 +42,28 @@ def bundles(cfg, role: str) -> List[Dict[str, float]]:
     return [dict(bundle) for _ in range(d["count"])]
 
 
-def check(cfg, nodes: List[dict]) -> List[str]:
-    """What the cluster (`ray.nodes()`) lacks for the config, one phrase per shortfall."""
+def check(cfg, nodes: List[dict], roles: Sequence[str] = ROLES) -> List[str]:
+    """What the cluster (`ray.nodes()`) lacks for the config's `roles`, one phrase per shortfall."""
     alive = [n["Resources"] for n in nodes if n.get("Alive", True)]
     by_label: Dict[Optional[str], List[str]] = defaultdict(list)
-    for role in ROLES:
+    for role in roles:
         by_label[role_demand(cfg, role)["label"]].append(role)
     missing = []
-    for label, roles in by_label.items():
+    for label, sharing in by_label.items():
         if label is None:
             continue
         where = [r for r in alive if r.get(label, 0) > 0]
         if not where:
-            missing.append(f"a node with resource '{label}' (cluster.nodes.{roles[0]}); start one with "
+            missing.append(f"a node with resource '{label}' (cluster.nodes.{sharing[0]}); start one with "
                            f"ray start --resources='{{\"{label}\": 1}}'")
             continue
         for kind in ("CPU", "GPU"):
-            demand = sum(role_demand(cfg, r)["count"] * role_demand(cfg, r)[kind] for r in roles)
+            demand = sum(role_demand(cfg, r)["count"] * role_demand(cfg, r)[kind] for r in sharing)
             have = sum(r.get(kind, 0.0) for r in where)
             if demand > have + 1e-9:
-                missing.append(f"{demand:g} {kind} for {'/'.join(roles)} on the nodes with '{label}' (they have {have:g})")
+                missing.append(f"{demand:g} {kind} for {'/'.join(sharing)} on the nodes with '{label}' (they have {have:g})")
     for kind in ("CPU", "GPU"):
-        demand = sum(role_demand(cfg, r)["count"] * role_demand(cfg, r)[kind] for r in ROLES)
+        demand = sum(role_demand(cfg, r)["count"] * role_demand(cfg, r)[kind] for r in roles)
         have = sum(r.get(kind, 0.0) for r in alive)
         if demand > have + 1e-9:
             missing.append(f"{demand:g} {kind} in all (the cluster has {have:g})")
@@ -77,12 +77,12 @@ class PlacementError(RuntimeError):
 class Placement:
     """The placement groups of every role, created and ready before any actor starts."""
 
-    def __init__(self, cfg, timeout_s: float):
+    def __init__(self, cfg, timeout_s: float, roles: Sequence[str] = ROLES):
         import ray
         from ray.util.placement_group import placement_group
 
         self.groups = {}
-        for role in ROLES:
+        for role in roles:
             strategy = getattr(cfg.cluster.strategy, role)
             self.groups[role] = placement_group(bundles(cfg, role), strategy=strategy, name=f"grpo-{role}")
         ready = {g.ready(): role for role, g in self.groups.items()}

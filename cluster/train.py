@@ -46,6 +46,8 @@ def train(cfg: Config) -> Dict[str, object]:
 
     from cluster.buffer import RolloutBuffer
     from cluster.checkpoint import save_checkpoint
+    from cluster.eval_job import evaluate_full, write_records
+    from cluster.evaluation import format_table
     from cluster.metrics import MetricsLogger
     from cluster.ray_utils import init_ray
     from learner.group import LearnerError
@@ -55,19 +57,21 @@ def train(cfg: Config) -> Dict[str, object]:
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
     check_inputs(cfg, train_set)
     cfg.model.path = resolve_model(cfg)
+    heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
     resume_from = find_resume_point(cfg)
     dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
     say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a cluster "
         "with RAY_ADDRESS or ray.address to get one)", started)
     check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
     run_dir = make_run_dir(cfg)
+    show_prompt(run_dir, prompts, started)
     roles = start_roles(cfg)
     say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
         f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks", started)
 
     sampler, buffer = PromptSampler(train_set, cfg.trainer.seed), RolloutBuffer()
     if resume_from is None:
-        first_step, version = 1, warm_up(roles, cfg, train_set)
+        first_step, version = 1, warm_up(roles, cfg, train_set, prompts["turn_end_ids"])
         accuracy_before = evaluate(roles, heldout)
         say(f"held-out greedy accuracy after warm-up: {accuracy_before:.1%}", started)
     else:
@@ -89,6 +93,8 @@ def train(cfg: Config) -> Dict[str, object]:
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             eval_started = time.perf_counter()
             row["heldout_accuracy"] = evaluate(roles, heldout)
+            if cfg.eval.n:
+                row.update(evaluate_full(roles.rollout, roles.verifiers, heldout, cfg)[0])
             row["time_eval"] = time.perf_counter() - eval_started
         row["wall_seconds"] = time.time() - started  # since the job started: the gaps between steps show
         logger.log(row)
@@ -102,6 +108,11 @@ def train(cfg: Config) -> Dict[str, object]:
 
     accuracy_after = evaluate(roles, heldout)
     say(f"held-out greedy accuracy after {algorithm(cfg)}: {accuracy_after:.1%}", started)
+    eval_metrics = {}
+    if cfg.eval.n:  # pass@k / maj@k of the final policy, one record per prompt in eval.jsonl
+        eval_metrics, records = evaluate_full(roles.rollout, roles.verifiers, heldout, cfg)
+        write_records(run_dir, records)
+        say(f"evaluation of the final policy ({cfg.eval.n} samples per prompt):\n{format_table(eval_metrics)}", started)
     final_model = roles.learner.save_pretrained(str(run_dir / "final_model"))
     summary = {
         "heldout_accuracy_before": accuracy_before,
@@ -111,6 +122,7 @@ def train(cfg: Config) -> Dict[str, object]:
         "policy_version": version,
         "wall_minutes": (time.time() - started) / 60,
         "final_model": final_model,
+        **eval_metrics,
     }
     logger.summary(summary)
     summary["wandb_dir"] = logger.close()
@@ -197,8 +209,9 @@ def start_roles(cfg: Config) -> Roles:
     return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel, placement=placement)
 
 
-def warm_up(roles: Roles, cfg: Config, train_set) -> int:
+def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] = None) -> int:
     """Supervised warm-up on the learner, stopped early on purpose; returns the policy version.
+    Targets end with `end_ids` (the chat format's end of turn; None: the tokenizer's EOS).
 
     Every `check_every` steps the weights go to the rollout workers, which measure greedy
     accuracy on a probe of training problems; the warm-up ends once it reaches
@@ -210,7 +223,7 @@ def warm_up(roles: Roles, cfg: Config, train_set) -> int:
     examples = [(p.prompt, p.solution) for p in train_set if p.solution]
     version = 0
     if w.steps and examples:
-        roles.learner.call("load_warmup", ray.put(examples))
+        roles.learner.call("load_warmup", ray.put(examples), end_ids)
         probe = train_set[: w.probe_size]
         done, accuracy = 0, None
         while done < w.steps and (accuracy is None or accuracy < w.target_accuracy):
@@ -320,6 +333,32 @@ def resolve_model(cfg: Config) -> str:
     return folder
 
 
+def prepare_prompts(cfg: Config, heldout, train_set):
+    """Every row rendered into the text the model sees (prompt template, system prompt, chat
+    template); the stops that end a turn join rollout.stop_token_ids."""
+    from rollout.prompts import prepare
+
+    name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
+    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout})
+    cfg.rollout.stop_token_ids = sorted(set(cfg.rollout.stop_token_ids) | set(info["stop_token_ids"]))
+    tokens, where = info["longest_prompt"]
+    if tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:
+        raise ConfigError(f"the longest prompt ({where}, {tokens} tokens as rendered) plus rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} exceeds rollout.max_model_len={cfg.rollout.max_model_len}")
+    return rendered["eval"], rendered["train"], info
+
+
+def show_prompt(run_dir: Path, prompts: Dict[str, object], started: float) -> None:
+    """What the model sees for the first training row, printed and saved as prompt_example.txt."""
+    how = "chat template applied" if prompts["chat_template"] else "no chat template"
+    stops = ", ".join(prompts["stop_tokens"])
+    (run_dir / "prompt_example.txt").write_text(prompts["first_prompt"])
+    text = prompts["first_prompt"]
+    shown = text if len(text) <= 600 else text[:600] + f"... ({len(text)} characters)"
+    say(f"the first training prompt as the model sees it ({how}; a completion stops at {stops}):\n"
+        f"{shown}\n---", started)
+
+
 def check_inputs(cfg: Config, train_set) -> None:
     """What the schema cannot know: the size of the data."""
     if len(train_set) < cfg.trainer.prompts_per_step:
@@ -331,14 +370,14 @@ def check_inputs(cfg: Config, train_set) -> None:
                           "training rows with a solution")
 
 
-def check_resources(cfg: Config) -> None:
+def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None:
     """Every role's CPUs and GPUs, on the nodes cluster.nodes names, against what the
     connected cluster has (a placement group it cannot hold would wait forever)."""
     import ray
 
     from cluster.placement import check
 
-    missing = check(cfg, ray.nodes())
+    missing = check(cfg, ray.nodes(), roles)
     if missing:
         raise ConfigError(
             f"the actors need {'; '.join(missing)}: lower rollout/learner/reward num_workers, num_ranks "

@@ -137,11 +137,13 @@ class LearnerRank:
         return ids.to(self.device), attention.to(self.device), target_mask.to(self.device)
 
     # ---- supervised warm-up --------------------------------------------------------------
-    def load_warmup(self, examples: List[List[str]]) -> int:
-        """Tokenise the (prompt, target) pairs once; the warm-up then runs in chunks."""
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+    def load_warmup(self, examples: List[List[str]], end_ids: Optional[List[int]] = None) -> int:
+        """Tokenise the (prompt, target) pairs once; the warm-up then runs in chunks. Each target
+        ends with `end_ids` (a chat format's end-of-turn token), by default the tokenizer's EOS."""
+        if end_ids is None:
+            end_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.warmup_examples = [
-            (self.tokenizer(p)["input_ids"], self.tokenizer(t, add_special_tokens=False)["input_ids"] + eos)
+            (self.tokenizer(p)["input_ids"], self.tokenizer(t, add_special_tokens=False)["input_ids"] + list(end_ids))
             for p, t in examples
         ]
         return len(self.warmup_examples)

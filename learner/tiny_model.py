@@ -18,6 +18,16 @@ from pathlib import Path
 # ordinary (not "special") tokens so that vLLM's detokenizer keeps them in the text.
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 SPECIALS = ["<pad>", "</s>"]
+# A ChatML-like chat format, so that the chat path (apply_chat_template, an end-of-turn token that
+# stops generation) runs for real on the built-in model. `<|im_end|>` is special: the detokenizer
+# drops it from the text, as with Qwen's own.
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '" + TURN_START + "' + message['role'] + '\n' + message['content'] + '" + TURN_END + "\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '" + TURN_START + "assistant\n' }}{%- endif %}"
+)
 
 
 def build_tokenizer():
@@ -31,6 +41,9 @@ def build_tokenizer():
         model_max_length=4096,
     )
     tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS])
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken(t, special=True, normalized=False) for t in (TURN_START, TURN_END)]})
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
@@ -44,6 +57,7 @@ def tiny_model_dir(model_cfg, seed: int) -> Path:
         "num_heads": model_cfg.num_heads, "intermediate_size": model_cfg.intermediate_size,
         "max_position_embeddings": model_cfg.max_position_embeddings,
         "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS, "seed": seed,
+        "chat": CHAT_TEMPLATE,
     }
     if model_cfg.vocab_size:  # only when set: folders built before the option keep their names
         spec["vocab_size"] = model_cfg.vocab_size
@@ -80,6 +94,8 @@ def build_tiny_model(model_cfg, seed: int = 0) -> str:
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    # Generation stops at the end of a chat turn as well as at EOS (vLLM reads this list).
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(TURN_END)]
     # Build in a temporary folder and rename: two processes building at once never see half a model.
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)

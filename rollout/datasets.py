@@ -26,6 +26,7 @@ __all__ = [
     "solve_addition",
     "arithmetic_problems",
     "load_problems",
+    "load_eval_problems",
     "PromptSampler",
 ]
 
@@ -45,6 +46,9 @@ class Problem:
     """A target completion for the supervised warm-up, when known."""
     fields: Dict[str, Any] = field(default_factory=dict, hash=False)
     """The row's other columns, passed to the verifiers (`tests` for code, `language`, ...)."""
+    messages: Optional[Tuple[Tuple[str, str], ...]] = None
+    """A conversational row's (role, content) messages; `prompt` is then its last user
+    message until rollout/prompts.py renders the row into the text the model sees."""
 
 
 class Splits(NamedTuple):
@@ -174,7 +178,14 @@ def _as_text(value: Any) -> Optional[str]:
 
 
 def clean_answer(answer: str) -> str:
-    """Gold answer text: a GSM8K `...#### 42` keeps only `42`; thousands commas go."""
+    """Gold answer text: a GSM8K `...#### 42` keeps only `42`; a MATH-style solution keeps the
+    content of its last `\\boxed{...}`; thousands commas go."""
+    if "\\boxed{" in answer and "####" not in answer:
+        from reward.verifiers import extract_answer  # the verifier's own reading of a box
+
+        boxed = extract_answer(answer)
+        if boxed:
+            answer = boxed
     if "####" in answer:
         answer = answer.rsplit("####", 1)[1].strip()
         return _THOUSANDS_COMMA.sub("", answer)
@@ -184,13 +195,42 @@ def clean_answer(answer: str) -> str:
     return answer
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def parse_messages(value: Any, where: str) -> Tuple[Tuple[str, str], ...]:
+    """A conversation as (role, content) pairs: a non-empty list of {"role", "content"} objects
+    with known roles and text contents, at least one from the user."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(f"{where}: a conversation must be a non-empty list of {{role, content}} messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"} or "role" not in message:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content' (got {_one_line(message)[:80]})")
+        role, content = message["role"], message.get("content")
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has role '{role}'; roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) has no text 'content'")
+        messages.append((role, content))
+    if not any(role == "user" for role, _ in messages):
+        raise DataError(f"{where}: the conversation has no user message")
+    return tuple(messages)
+
+
 def _row_problem(row: Any, where: str, prompt_key: str, answer_key: str) -> Problem:
     """One row (a mapping) as a Problem; `where` names it, e.g. "data.path x.jsonl line 3"."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object with '{prompt_key}' and "
                         f"'{answer_key}' fields (got {type(row).__name__})")
     values = {}
+    messages = None
+    if isinstance(row.get(prompt_key), (list, tuple)):  # conversational: [{"role", "content"}, ...]
+        messages = parse_messages(row[prompt_key], f"{where}: field '{prompt_key}'")
+        values[prompt_key] = next(content for role, content in reversed(messages) if role == "user")
     for key in (prompt_key, answer_key):
+        if key in values:
+            continue
         if key not in row or row[key] is None:
             raise DataError(f"{where}: no '{key}' field")
         text = _as_text(row[key])
@@ -210,7 +250,7 @@ def _row_problem(row: Any, where: str, prompt_key: str, answer_key: str) -> Prob
             raise DataError(f"{where}: field 'solution' is a {type(row['solution']).__name__}, "
                             f"not a string")
     extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "solution")}
-    return Problem(prompt=values[prompt_key], answer=answer, solution=solution, fields=extra)
+    return Problem(prompt=values[prompt_key], answer=answer, solution=solution, fields=extra, messages=messages)
 
 
 def _read_jsonl(path: str, label: str) -> Iterable[Tuple[str, Any]]:
@@ -244,12 +284,11 @@ def _read_parquet(path: str, label: str) -> Iterable[Tuple[str, Any]]:
         yield f"{label} row {number}", row
 
 
-def _load_hf_rows(data_cfg) -> Tuple[str, Iterable[Tuple[str, Any]]]:
+def _load_hf_rows(data_cfg, split: str, key: str = "data.split") -> Tuple[str, Iterable[Tuple[str, Any]]]:
     try:
         import datasets
     except ImportError as exc:
         raise DataError("data.source=hf needs the `datasets` package (pip install datasets)") from exc
-    split = data_cfg.split
     if data_cfg.path:
         path = os.path.expanduser(str(data_cfg.path))
         label = f"data.path {data_cfg.path}"
@@ -261,7 +300,7 @@ def _load_hf_rows(data_cfg) -> Tuple[str, Iterable[Tuple[str, Any]]]:
             raise DataError(f"{label}: cannot load a saved dataset ({_one_line(exc)})") from exc
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise DataError(f"data.split '{split}' is not in {data_cfg.path} "
+                raise DataError(f"{key} '{split}' is not in {data_cfg.path} "
                                 f"(splits: {', '.join(sorted(loaded))})")
             loaded = loaded[split]
     elif data_cfg.name:
@@ -295,28 +334,57 @@ def _split_heldout(problems: List[Problem], heldout_size: int,
     return Splits(shuffled[:count], shuffled[count:])
 
 
+def _file_rows(path_setting: str, key: str) -> Tuple[str, Iterable[Tuple[str, Any]]]:
+    path = os.path.expanduser(str(path_setting))
+    label = f"{key} {path_setting}"
+    if not os.path.isfile(path):
+        raise DataError(f"{key}: no such file '{path_setting}'")
+    return label, (_read_parquet if path.lower().endswith(".parquet") else _read_jsonl)(path, label)
+
+
+def _problems(data_cfg, label: str, rows: Iterable[Tuple[str, Any]]) -> List[Problem]:
+    problems = [_row_problem(row, where, data_cfg.prompt_key, data_cfg.answer_key) for where, row in rows]
+    if not problems:
+        raise DataError(f"{label}: the dataset is empty")
+    return problems
+
+
+def _eval_problems(data_cfg) -> Optional[List[Problem]]:
+    """The separate evaluation set (data.eval_path or data.eval_split), if one is named."""
+    if data_cfg.eval_path:
+        return _problems(data_cfg, *_file_rows(data_cfg.eval_path, "data.eval_path"))
+    if data_cfg.eval_split:
+        return _problems(data_cfg, *_load_hf_rows(data_cfg, data_cfg.eval_split, "data.eval_split"))
+    return None
+
+
+def load_eval_problems(data_cfg: "DataConfig", seed: int) -> List[Problem]:
+    """The evaluation set alone: the one data.eval_path/eval_split names (the training data is
+    not read), else the rows held out of the training data."""
+    evaluation = _eval_problems(data_cfg)
+    return evaluation if evaluation is not None else load_problems(data_cfg, seed).heldout
+
+
 def load_problems(data_cfg: "DataConfig", seed: int) -> Splits:
-    """(held-out, train) problems of the configured source (`data.source`)."""
+    """(evaluation, train) problems of the configured source (`data.source`): the evaluation
+    set that data.eval_path/eval_split names, or rows held out of the training data."""
     source = data_cfg.source
+    evaluation = _eval_problems(data_cfg)
     if source == "arithmetic":
-        return arithmetic_problems(seed, data_cfg.heldout_size, data_cfg.num_train,
-                                   data_cfg.min_digits, data_cfg.max_digits)
+        heldout, train = arithmetic_problems(seed, 0 if evaluation else data_cfg.heldout_size, data_cfg.num_train,
+                                             data_cfg.min_digits, data_cfg.max_digits)
+        return Splits(evaluation or heldout, train)
     if source == "jsonl":
         if not data_cfg.path:
             raise DataError("data.path is required with data=jsonl (a .jsonl or .parquet file)")
-        path = os.path.expanduser(str(data_cfg.path))
-        label = f"data.path {data_cfg.path}"
-        if not os.path.isfile(path):
-            raise DataError(f"data.path: no such file '{data_cfg.path}'")
-        rows = (_read_parquet if path.lower().endswith(".parquet") else _read_jsonl)(path, label)
+        label, rows = _file_rows(data_cfg.path, "data.path")
     elif source == "hf":
-        label, rows = _load_hf_rows(data_cfg)
+        label, rows = _load_hf_rows(data_cfg, data_cfg.split)
     else:
         raise DataError(f"data.source must be one of arithmetic, jsonl, hf (got '{source}')")
-    problems = [_row_problem(row, where, data_cfg.prompt_key, data_cfg.answer_key)
-                for where, row in rows]
-    if not problems:
-        raise DataError(f"{label}: the dataset is empty")
+    problems = _problems(data_cfg, label, rows)
+    if evaluation is not None:
+        return Splits(evaluation, problems)
     return _split_heldout(problems, data_cfg.heldout_size, seed)
 
 

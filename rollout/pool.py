@@ -1,7 +1,7 @@
 """The generation workers as one group: start them, hand out prompts in chunks, collect references."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
@@ -31,7 +31,7 @@ class RolloutPool:
         """Members of the weight-sync group per worker: one per tensor-parallel rank."""
         return self.cfg["tensor_parallel_size"]
 
-    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int
+    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int, temperature: Optional[float] = None
                  ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
         """Refs to one PromptGroup per (index, Problem) in `batch`, in order, and the stats
         (completions, completion_tokens, per_item/policy_version).
@@ -45,7 +45,7 @@ class RolloutPool:
 
         def submit(worker, chunk):
             return as_list(worker.generate.options(num_returns=len(chunk) + 1).remote(
-                *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk]))
+                *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk], temperature=temperature))
 
         size = chunk_size(len(prompts), len(self.workers), self.cfg["chunks_per_worker"])
         return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},

@@ -7,7 +7,7 @@ The payloads go from worker to learner without the driver ever fetching them.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cluster.prompt_group import PromptGroup
 
@@ -47,28 +47,30 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def sampling_params(self, n: int, greedy: bool, seed: int):
+    def sampling_params(self, n: int, greedy: bool, seed: int, temperature: Optional[float] = None):
         from vllm import SamplingParams
 
         c = self.cfg
         return SamplingParams(
             n=n,
-            temperature=0.0 if greedy else c["temperature"],
+            temperature=0.0 if greedy else c["temperature"] if temperature is None else temperature,
             top_p=1.0 if greedy else c["top_p"],
             top_k=0 if greedy else c["top_k"],
             max_tokens=c["max_new_tokens"],
             stop=list(c["stop"]) or None,
+            stop_token_ids=list(c["stop_token_ids"]) or None,  # the chat format's end of turn
             include_stop_str_in_output=c["include_stop_str"],
             seed=seed,
             logprobs=None if greedy else 0,  # 0: just the sampled token's log-prob
         )
 
     def generate(self, *prompts: Tuple[int, str, str, dict], n: int, greedy: bool,
-                 seeds: Sequence[int]) -> Tuple[Any, ...]:
+                 seeds: Sequence[int], temperature: Optional[float] = None) -> Tuple[Any, ...]:
         """Sample `n` completions for each (index, prompt, answer, row fields); one seed per
-        prompt makes it reproducible whichever worker runs it. Returns the groups, then stats."""
+        prompt makes it reproducible whichever worker runs it. Returns the groups, then stats.
+        `temperature` replaces rollout.temperature (evaluation samples at eval.temperature)."""
         version = self.policy_version  # weights change only between calls, never during one
-        params = [self.sampling_params(n, greedy, seed) for seed in seeds]
+        params = [self.sampling_params(n, greedy, seed, temperature) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
         groups: List[PromptGroup] = []
         for (index, prompt, answer, fields), out in zip(prompts, outputs):

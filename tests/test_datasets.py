@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,11 +18,10 @@ from rollout.datasets import (
 
 
 def data_cfg(**kw):
-    base = dict(source="jsonl", path=None, name=None, config_name=None, split="train",
-                prompt_key="prompt", answer_key="answer", heldout_size=200, num_train=0,
-                min_digits=2, max_digits=2)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    """The real schema's data section (a file source unless told otherwise)."""
+    from cluster.config import DataConfig
+
+    return DataConfig(**{"source": "jsonl", **kw})
 
 
 def write_jsonl(path, rows):

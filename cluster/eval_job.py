@@ -1,0 +1,121 @@
+"""Evaluation through the rollout and verifier pools: during training, and as its own job.
+
+`grpo eval MODEL_DIR [overrides]` evaluates a saved model (a run's `final_model/`, an exported
+checkpoint or any Hugging Face folder) on the configured evaluation set without training:
+greedy accuracy and, with eval.n > 0, pass@k and maj@k over eval.n samples per prompt at
+eval.temperature. It writes `eval.jsonl` (one row per prompt: its samples, their extracted
+answers and correctness, its pass@k/maj@k) and `eval_summary.json` into the run folder and
+prints the table.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from cluster.config import Config
+
+EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
+
+
+def score_key(verifiers: Sequence[str]) -> str:
+    """The verifier whose score says a completion is right: math if used, else the first."""
+    return "math" if "math" in verifiers else verifiers[0]
+
+
+def _scored_groups(rollout, verifiers, problems, n: int, greedy: bool, temperature=None) -> list:
+    import ray
+
+    from rollout.pool import as_batch
+
+    refs, _ = rollout.generate(as_batch(problems), n, greedy=greedy, seed=EVAL_SEED, temperature=temperature)
+    scored, _ = verifiers.score(refs)
+    return ray.get(scored)
+
+
+def evaluate_full(rollout, verifiers, problems, cfg: Config) -> Tuple[Dict[str, float], List[dict]]:
+    """Metrics over `problems` (keys `eval/...`) and one record per prompt."""
+    from cluster.evaluation import default_ks, mean_metrics, prompt_metrics
+    from reward.verifiers import extract_answer
+
+    key = score_key(cfg.reward.verifiers)
+    greedy = _scored_groups(rollout, verifiers, problems, 1, greedy=True)
+    records = [{"index": g.index, "prompt": g.prompt, "answer": g.answer, "greedy": g.completions[0],
+                "greedy_score": g.scores[key][0]} for g in greedy]
+    metrics = {"eval/greedy": sum(r["greedy_score"] for r in records) / max(len(records), 1)}
+    if cfg.eval.n:
+        ks = default_ks(cfg.eval.n, cfg.eval.k)
+        sampled = _scored_groups(rollout, verifiers, problems, cfg.eval.n, greedy=False,
+                                 temperature=cfg.eval.temperature)
+        per_prompt = []
+        for record, group in zip(records, sampled):
+            correct = [score >= 1.0 - 1e-9 for score in group.scores[key]]
+            answers = [extract_answer(c) for c in group.completions]
+            lengths = [len(ids) for ids in group.completion_ids]
+            truncated = [reason == "length" for reason in group.finish_reasons]
+            stats = prompt_metrics(answers, correct, ks)
+            record["samples"] = [{"completion": c, "answer": a, "correct": ok, "tokens": len(ids), "finish": reason,
+                                  "last_token_id": ids[-1] if ids else None}
+                                 for c, a, ok, ids, reason in zip(group.completions, answers, correct,
+                                                                  group.completion_ids, group.finish_reasons)]
+            record.update(stats)
+            per_prompt.append({**stats, "mean_length": sum(lengths) / len(lengths),
+                               "truncated_fraction": sum(truncated) / len(truncated)})
+        metrics.update({f"eval/{k}": v for k, v in mean_metrics(per_prompt).items()})
+    return metrics, records
+
+
+def write_records(run_dir: Path, records: List[dict]) -> Path:
+    path = run_dir / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def evaluate_model(cfg: Config) -> Dict[str, float]:
+    """The `grpo eval` job: start the rollout and verifier pools, evaluate, write, print."""
+    import ray
+
+    from cluster.compose import verifier_settings
+    from cluster.evaluation import format_table
+    from cluster.placement import Placement
+    from cluster.ray_utils import init_ray
+    from cluster.train import ACTOR_ENV, check_resources, make_run_dir, prepare_prompts, resolve_model, say, show_prompt
+    from reward.pool import VerifierPool
+    from rollout.datasets import load_eval_problems
+    from rollout.pool import RolloutPool
+
+    started = time.time()
+    problems = load_eval_problems(cfg.data, cfg.trainer.seed)
+    cfg.model.path = resolve_model(cfg)
+    problems, _, prompts = prepare_prompts(cfg, problems, [])
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    roles = ("rollout", "reward")  # no learner
+    check_resources(cfg, roles)
+    run_dir = make_run_dir(cfg)
+    show_prompt(run_dir, prompts, started)
+    placement = Placement(cfg, cfg.cluster.placement_timeout_s, roles)
+    rollout = verifiers = None
+    try:
+        verifiers = VerifierPool(verifier_settings(cfg.reward), cfg.reward.num_workers, cfg.reward.num_cpus_per_worker,
+                                 placement=lambda i: placement.options("reward", i))
+        rollout = RolloutPool(cfg.model.path, asdict(cfg.rollout), cfg.rollout.num_workers, cfg.trainer.seed,
+                              cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
+                              placement=lambda i: placement.options("rollout", i))
+        say(f"evaluating {cfg.model.path} on {len(problems)} prompts"
+            + (f", {cfg.eval.n} samples each at temperature {cfg.eval.temperature}" if cfg.eval.n else ""), started)
+        metrics, records = evaluate_full(rollout, verifiers, problems, cfg)
+    finally:
+        for role in (rollout, verifiers):
+            if role is not None:
+                role.shutdown()
+        placement.remove()
+        ray.shutdown()
+    write_records(run_dir, records)
+    summary = {**metrics, "prompts": len(problems), "model": cfg.model.path,
+               "wall_minutes": (time.time() - started) / 60}
+    (run_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\n{format_table(metrics)}\nrun files: {run_dir}/ (eval.jsonl, eval_summary.json, prompt_example.txt)",
+          flush=True)
+    return summary

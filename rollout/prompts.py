@@ -1,0 +1,133 @@
+"""How a dataset row becomes the text the model sees, and which tokens end its turn.
+
+Three settings, all under `data.`:
+- `prompt_template`: a Python format string over the row's fields (`{question}`, `{prompt}`:
+  the prompt field whatever its name; `{{`/`}}` for literal braces). None: the prompt as is.
+- `system_prompt`: a system message (with a chat template) or a paragraph before the prompt.
+- `chat_template`: `true` applies the tokenizer's chat template (the same `apply_chat_template`
+  as `transformers`, with the generation prompt added), `false` never; `auto` applies it when
+  the tokenizer has one and the rows are conversational, or the model's name says it is an
+  instruct/chat model (`instruct`, `chat`, `-it`), or a system prompt is set.
+
+Conversational rows (a list of `{role, content}` messages in the prompt field) keep their
+messages; the template, if any, formats the last user message.
+
+Light: imports `transformers` only to load the tokenizer. Errors are `DataError`s of one line.
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from rollout.datasets import DataError, Problem
+
+CHAT_MODEL_NAME = re.compile(r"instruct|chat|-it\b", re.IGNORECASE)
+# End-of-turn tokens of the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3).
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def template_fields(template: str) -> List[str]:
+    """The field names a format string uses; a malformed template is a DataError."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise DataError(f"data.prompt_template: {exc} (write literal braces as {{{{ and }}}})") from exc
+    for name in names:
+        if not name.isidentifier():
+            raise DataError(f"data.prompt_template: '{{{name}}}' is not a field name (literal braces: {{{{ }}}})")
+    return names
+
+
+def fill(template: Optional[str], prompt: str, fields: Dict[str, Any], where: str, prompt_key: str = "prompt") -> str:
+    if template is None:
+        return prompt
+    values = {**fields, "prompt": prompt, prompt_key: prompt}
+    for name in template_fields(template):
+        if name not in values:
+            known = ", ".join(sorted(values))
+            raise DataError(f"data.prompt_template names field '{name}', which {where} lacks (fields: {known})")
+    return template.format(**values)
+
+
+def use_chat_template(setting: str, has_template: bool, conversational: bool, system_prompt: Optional[str],
+                      model_name: str) -> bool:
+    setting = str(setting).lower()
+    if setting == "true":
+        if not has_template:
+            raise DataError(f"data.chat_template=true, but the tokenizer of {model_name} has no chat template")
+        return True
+    if setting == "false":
+        if conversational:
+            raise DataError("data.chat_template=false, but the rows are conversations (a list of messages): "
+                            "they need a chat template")
+        return False
+    if conversational and not has_template:
+        raise DataError(f"the rows are conversations (a list of messages), but the tokenizer of {model_name} "
+                        "has no chat template")
+    return has_template and (conversational or bool(system_prompt) or bool(CHAT_MODEL_NAME.search(model_name)))
+
+
+def render(problem: Problem, where: str, template: Optional[str], system_prompt: Optional[str], chat: bool,
+           tokenizer, prompt_key: str = "prompt") -> str:
+    """The text the model sees for one row."""
+    if problem.messages is not None:
+        messages = list(problem.messages)
+        last_user = max(i for i, (role, _) in enumerate(messages) if role == "user")
+        messages[last_user] = ("user", fill(template, messages[last_user][1], problem.fields, where, prompt_key))
+    else:
+        messages = [("user", fill(template, problem.prompt, problem.fields, where, prompt_key))]
+    if system_prompt and not any(role == "system" for role, _ in messages):
+        messages.insert(0, ("system", system_prompt))
+    if not chat:
+        return "\n\n".join(content for _, content in messages)
+    return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def render_problems(problems: Sequence[Problem], label: str, template: Optional[str],
+                    system_prompt: Optional[str], chat: bool, tokenizer, prompt_key: str = "prompt") -> List[Problem]:
+    return [replace(p, prompt=render(p, f"{label} row {i}", template, system_prompt, chat, tokenizer, prompt_key))
+            for i, p in enumerate(problems, start=1)]
+
+
+def stop_token_ids(model_path: str, tokenizer, chat: bool) -> List[int]:
+    """Token ids that end a completion: the tokenizer's EOS, the model's own list in
+    `generation_config.json` (instruct models list their end-of-turn token there) and, with a
+    chat template, the end-of-turn token of its format."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    config = Path(model_path) / "generation_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    if chat:
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[token] for token in END_OF_TURN if token in vocab]
+    return sorted(set(ids))
+
+
+def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequence[Problem]]
+            ) -> Tuple[Dict[str, List[Problem]], Dict[str, Any]]:
+    """Render every split; returns the rendered splits and what a run prints and saves: the
+    first training row as the model sees it, whether the chat template was used, the stops."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    conversational = any(p.messages is not None for rows in splits.values() for p in rows)
+    chat = use_chat_template(data_cfg.chat_template, bool(getattr(tokenizer, "chat_template", None)),
+                             conversational, data_cfg.system_prompt, model_name)
+    rendered = {name: render_problems(rows, name, data_cfg.prompt_template, data_cfg.system_prompt, chat, tokenizer,
+                                      data_cfg.prompt_key)
+                for name, rows in splits.items()}
+    first = next((rows[0].prompt for rows in rendered.values() if rows), "")
+    stops = stop_token_ids(model_path, tokenizer, chat)
+    longest = max(((len(tokenizer(p.prompt)["input_ids"]), f"{name} row {i}")
+                   for name, rows in rendered.items() for i, p in enumerate(rows, start=1)), default=(0, ""))
+    vocab = tokenizer.get_vocab()
+    turn_end = [vocab[t] for t in END_OF_TURN if t in vocab][:1] if chat else []
+    return rendered, {"chat_template": chat, "first_prompt": first, "stop_token_ids": stops,
+                      "turn_end_ids": turn_end or None,
+                      "stop_tokens": tokenizer.convert_ids_to_tokens(stops), "longest_prompt": longest}
