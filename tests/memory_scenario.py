@@ -46,7 +46,7 @@ def main(cache: str, budget: int, batches) -> None:
     rank = LearnerRank(0, 1, "127.0.0.1", port, path, learner_cfg, {**asdict(AlgoConfig()), "max_length": SEQ}, 0)
     rank.snapshot_reference()  # beta > 0: the reference forward is part of the step
     out = {}
-    for rows in batches:
+    for rows in batches:  # a batch size given twice is reported as its last step
         groups = _groups(rows)
         _reset_peak()
         before = _status_bytes("VmRSS")

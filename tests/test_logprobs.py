@@ -30,7 +30,8 @@ def test_chunked_equals_full_log_softmax_values_and_gradients(monkeypatch, vocab
     want, want_entropy = _full(logits, targets, temperature)
     got = lp.chosen_logprobs(logits, targets, temperature)
     assert got.dtype == torch.float32 and got.shape == (4, 5)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)  # float32 inside
+    # float32 inside: a few ulps of |log p| (up to ~10 here), whatever the CPU's vector width
+    torch.testing.assert_close(got.double(), want, rtol=8 * 2**-23, atol=1e-6)
     torch.testing.assert_close(lp.entropy(logits, temperature).double(), want_entropy, rtol=0, atol=1e-5)
     (want_grad,) = torch.autograd.grad((want * weights).sum(), logits)
     (got_grad,) = torch.autograd.grad((got.double() * weights).sum(), logits)
@@ -53,12 +54,13 @@ def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_p
     3 x budget x vocab x 4 bytes (1.28 GB); the full batch's logits alone would be 4 x 425 MB,
     with a float32 log-softmax 3 more copies. Twice the rows must not raise the peak."""
     budget, vocab = 700, 151936
-    proc = subprocess.run([sys.executable, SCENARIO, str(tmp_path), str(budget), "2", "4"], capture_output=True,
-                          text=True, timeout=600)
+    # the first step (its one-time allocations) is not measured
+    proc = subprocess.run([sys.executable, SCENARIO, str(tmp_path), str(budget), "2", "2", "4"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     bound = 3 * budget * vocab * 4
     small, large = out["2"], out["4"]
     assert large["micro_batches"] == 4 and small["micro_batches"] == 2
     assert small["rise_bytes"] <= bound and large["rise_bytes"] <= bound, out
-    assert large["rise_bytes"] <= 1.2 * small["rise_bytes"], out
+    assert large["rise_bytes"] <= small["rise_bytes"] + 0.1 * bound, out

@@ -1,6 +1,8 @@
 """The PPO baseline on the real learner: a critic with its own DeepSpeed engine learns the returns."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict
 
 import ray
@@ -29,10 +31,11 @@ def test_ppo_step_trains_policy_and_critic(ray_session, system_cfg):
         learner.shutdown()
     for metrics in history:
         for key in ("value_loss", "value_clip_fraction", "value_mean", "kl", "loss", "learner_peak_memory_mb"):
-            assert key in metrics and metrics[key] == metrics[key], key  # present, not NaN
+            assert key in metrics and math.isfinite(metrics[key]), key  # present, a finite number
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved
     # the critic fits the returns of a fixed batch: its loss falls
     assert history[-1]["value_loss"] < history[0]["value_loss"]
     # the per-token KL reward (k1: log pi_old - log pi_ref) is 0 until the policy moves; on these
     # random token ids, which the policy did not sample, its sign can be either
-    assert history[0]["kl"] == 0.0 and history[-1]["kl"] != 0.0
+    # pi_ref is a copy of the first policy: the same forward in another allocation, equal to rounding
+    assert abs(history[0]["kl"]) <= 1e-6 and abs(history[-1]["kl"]) > 1e-4

@@ -1,6 +1,7 @@
 """Integration tests on the real stack: Ray actors, vLLM (CPU build), DeepSpeed ZeRO-2 over gloo."""
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 
@@ -27,7 +28,7 @@ def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, syste
     assert roles.rollout.versions() == [warmed, warmed]
     version = warmed
     accuracy = evaluate(roles, heldout[:8])
-    assert 0.0 <= accuracy <= 1.0
+    assert (accuracy * 8) == pytest.approx(round(accuracy * 8))  # a share of the 8 problems
 
     before = roles.learner.call("state_copy")
     batches, buffer = SyncBatches(roles, PromptSampler(train_set, 0), system_cfg), RolloutBuffer()
@@ -64,8 +65,13 @@ def test_generation_workers_return_refs_not_payloads(roles, system_cfg):
     assert [g.prompt for g in groups] == [p.prompt for p in train_set[:3]]
 
 
-ACCURACY_BAR = 0.75
-"""Held-out greedy accuracy that sync mode passes after 30 steps of 32 prompts from the warm-up."""
+def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
+    """Did accuracy on n problems rise by more than z standard errors of the difference of two
+    proportions? A machine-independent learning check: where the warm-up lands differs
+    between CPUs (61.0% on one machine, 63.5% on another), the gain GRPO makes is what counts
+    (about +20 points in 30 steps, against a standard error of about 4 points on 200)."""
+    se = ((before * (1 - before) + after * (1 - after)) / n) ** 0.5
+    return after - before > z * max(se, 1 / n)
 
 
 class RecordingBuffer(RolloutBuffer):
@@ -118,11 +124,9 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
 
 
 def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
-    """From the default job's warm-up (270 supervised steps from the initial model: 61.0%
-    held-out), 30 async GRPO steps of 32 prompts must lift held-out greedy accuracy (200
-    problems) to the bar that sync mode passes in the same steps (`grpo train
-    trainer.max_steps=30 trainer.prompts_per_step=32`, seed 0, measured: sync 61.0% -> 83.0%,
-    async 61.0% -> 84.5%; async timing varies from run to run: 20 steps gave 69-83.5%)."""
+    """From the default job's warm-up (270 supervised steps from the initial model), 30 async
+    GRPO steps of 32 prompts must lift held-out greedy accuracy on 200 problems by more than
+    its sampling noise (see `learned`; what such runs reached is in bench/results/)."""
     import copy
 
     from cluster.batches import AsyncBatches
@@ -146,7 +150,7 @@ def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
         batches.close()
     after = evaluate(roles, heldout)
     assert max(r["staleness_max"] for r in rows) == 1  # it did train off-policy
-    assert after >= ACCURACY_BAR, f"async GRPO: held-out {before:.1%} -> {after:.1%}, bar {ACCURACY_BAR:.0%}"
+    assert learned(before, after, len(heldout)), f"async GRPO: held-out {before:.1%} -> {after:.1%}"
 
 
 def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_lost(roles, system_cfg):
