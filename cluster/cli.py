@@ -92,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from rollout.datasets import DataError
 
         from learner.group import LearnerError
+        from rollout.worker import EngineStartError
 
         try:
             if args.command == "eval":
@@ -102,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             train(cfg)
         except DataError as exc:
             return _fail(str(exc))
-        except LearnerError as exc:  # not bad input: the run failed, and says how to go on
+        except (LearnerError, EngineStartError) as exc:  # not bad input: the run failed, and says why
             print(f"grpo: error: {exc}", file=sys.stderr)
             return 1
     except ConfigError as exc:

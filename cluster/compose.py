@@ -117,7 +117,26 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(str(exc).splitlines()[0]) from exc
     assert isinstance(config, Config)
     validate(config)
+    resolve_auto(config)
     return config
+
+
+def resolve_auto(cfg: Config) -> None:
+    """Settings whose default depends on the device: the rollout's dtype and CUDA graphs."""
+    on_gpu = cfg.rollout.num_gpus_per_worker > 0
+    if cfg.rollout.dtype == "auto":
+        cfg.rollout.dtype = "bfloat16" if on_gpu else "float32"
+    if cfg.rollout.enforce_eager is None:
+        cfg.rollout.enforce_eager = not on_gpu
+
+
+def check_gpu_layout(cfg: Config, cluster_gpus: float) -> None:
+    """No two roles on one GPU by accident (NCCL refuses two ranks on one GPU, and a second vLLM
+    engine on a GPU fails its free-memory check)."""
+    tp = cfg.rollout.tensor_parallel_size
+    if cluster_gpus > 0 and cfg.rollout.num_gpus_per_worker == 0:
+        raise ConfigError(f"the cluster has {cluster_gpus:g} GPUs but rollout.num_gpus_per_worker=0: every vLLM "
+                          f"engine would see all of them and use GPU 0; set rollout.num_gpus_per_worker={tp}")
 
 
 def _one_of(key: str, value, options) -> None:
@@ -180,7 +199,15 @@ def validate(cfg: Config) -> None:
     _one_of("data.source", cfg.data.source, ("arithmetic", "jsonl", "hf"))
     _one_of("model.name", cfg.model.name, ("tiny", "hf"))
     _one_of("logger.backend", cfg.logger.backend, ("wandb", "none"))
-    _one_of("rollout.dtype", cfg.rollout.dtype, ("float32", "bfloat16", "float16"))
+    _one_of("rollout.dtype", cfg.rollout.dtype, ("auto", "float32", "bfloat16", "float16"))
+    gpus = cfg.rollout.num_gpus_per_worker
+    if gpus and gpus != cfg.rollout.tensor_parallel_size:
+        raise ConfigError(f"rollout.num_gpus_per_worker={gpus:g} with rollout.tensor_parallel_size="
+                          f"{cfg.rollout.tensor_parallel_size}: an engine takes one whole GPU per tensor-parallel "
+                          "rank (its ranks run inside the actor, on its GPUs); make them equal")
+    if cfg.learner.num_gpus_per_rank not in (0, 1):
+        raise ConfigError(f"learner.num_gpus_per_rank={cfg.learner.num_gpus_per_rank:g}: a learner rank uses one "
+                          "whole GPU (1) or none (0); NCCL refuses two ranks on one GPU")
     for role in ("rollout", "learner", "reward"):
         _one_of(f"cluster.strategy.{role}", getattr(cfg.cluster.strategy, role),
                 ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))

@@ -155,12 +155,15 @@ class RolloutConfig:
     num_cpus_per_worker: float = 0.5
     """Ray CPUs reserved per generation actor."""
     num_gpus_per_worker: float = 0.0
-    """Ray GPUs per generation actor (on GPU clusters: tensor_parallel_size)."""
+    """Ray GPUs per generation actor: 0 on CPUs; on GPU clusters tensor_parallel_size (the
+    engine's TP ranks run as processes inside the actor, on the actor's GPUs)."""
     tensor_parallel_size: int = 1
     """GPUs one vLLM engine is split over; each TP rank joins the weight-sync group."""
-    dtype: str = "float32"
-    """dtype inside vLLM, and on the wire of the weight sync. float32 is faster than bfloat16 on
-    vLLM's CPU build for the tiny model (measured); use bfloat16 on GPUs."""
+    dtype: str = "auto"
+    """dtype inside vLLM, and on the wire of the weight sync. `auto`: float32 on CPUs (faster
+    than bfloat16 on vLLM's CPU build for the tiny model), bfloat16 when the workers have GPUs."""
+    enforce_eager: Optional[bool] = None
+    """vLLM without CUDA graphs. None: eager on CPUs, CUDA graphs on GPUs."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts (evaluation is greedy)."""
     top_p: float = 1.0
@@ -183,8 +186,8 @@ class RolloutConfig:
     """vLLM's context length."""
     kv_cache_gib: float = 1.0
     """CPU only: KV cache size per engine, in GiB (fractions allowed; the tests use 0.25)."""
-    gpu_memory_utilization: float = 0.5
-    """GPU only: share of the GPU vLLM may take."""
+    gpu_memory_utilization: float = 0.85
+    """GPU only: share of its GPU the engine may take (each engine has GPUs of its own)."""
 
 
 @dataclass
@@ -341,6 +344,9 @@ class RayConfig:
     """Ray cluster to join; None starts a local Ray (or joins RAY_ADDRESS when set)."""
     num_cpus: Optional[int] = None
     """CPUs of a locally started Ray (None: what the machine has)."""
+    num_gpus: Optional[int] = None
+    """GPUs of a locally started Ray (None: what the machine has; the tests declare fake ones
+    to check how roles are laid out on GPUs)."""
 
 
 @dataclass

@@ -90,7 +90,7 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     problems = load_eval_problems(cfg.data, cfg.trainer.seed)
     cfg.model.path = resolve_model(cfg)
     problems, _, prompts = prepare_prompts(cfg, problems, [])
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
     roles = ("rollout", "reward")  # no learner
     check_resources(cfg, roles)
     run_dir = make_run_dir(cfg)

@@ -18,7 +18,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = None) -> str | None:
+def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = None,
+             num_gpus: int | None = None) -> str | None:
     """Join `address` (or RAY_ADDRESS) if given, else start a local Ray. Returns the Ray
     dashboard's address (None for the local Ray, which runs without one)."""
     import ray
@@ -32,6 +33,6 @@ def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = 
     # Quiet: the progress bar is the run's voice; actor errors still reach the driver as exceptions.
     # address="local": a Ray of its own, never a Ray some other process started on this machine
     # (ray.init() would join that one).
-    ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     return None

@@ -59,7 +59,7 @@ def train(cfg: Config) -> Dict[str, object]:
     cfg.model.path = resolve_model(cfg)
     heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
     resume_from = find_resume_point(cfg)
-    dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV)
+    dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
     say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a cluster "
         "with RAY_ADDRESS or ray.address to get one)", started)
     check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
@@ -375,8 +375,10 @@ def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None
     connected cluster has (a placement group it cannot hold would wait forever)."""
     import ray
 
+    from cluster.compose import check_gpu_layout
     from cluster.placement import check
 
+    check_gpu_layout(cfg, ray.cluster_resources().get("GPU", 0.0))
     missing = check(cfg, ray.nodes(), roles)
     if missing:
         raise ConfigError(

@@ -1,13 +1,14 @@
 """The generation workers as one group: start them, hand out prompts in chunks, collect references."""
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
 from cluster.dispatch import as_list, call_when_up, chunk_size, dispatch
 from rollout.datasets import Problem
-from rollout.worker import GenerationWorker
+from rollout.worker import EngineStartError, GenerationWorker
 
 
 class RolloutPool:
@@ -24,7 +25,13 @@ class RolloutPool:
         and pushes the current weights to it); None: a dead worker's error is raised."""
         self.workers = [actor.options(**(placement(i) if placement else {})).remote(model_path, rollout_cfg, seed + i)
                         for i in range(num_workers)]
-        ray.get([w.ready.remote() for w in self.workers])
+        try:
+            ray.get([w.ready.remote() for w in self.workers])
+        except ray.exceptions.RayActorError as error:  # the cause is inside Ray's multi-line message
+            self.shutdown()
+            found = re.search(r"EngineStartError: (the vLLM engine did not start: [^\n]*)", str(error))
+            raise EngineStartError(found.group(1) if found else f"a generation worker died at start: "
+                                   f"{str(error).strip().splitlines()[-1][:300]}") from None
 
     @property
     def sync_ranks(self) -> int:

@@ -10,36 +10,60 @@ import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cluster.prompt_group import PromptGroup
+from rollout.engine_log import StderrTail, root_cause
 
 RECEIVER_CLASS = "rollout.weight_receiver.WeightReceiver"
+
+
+class EngineStartError(RuntimeError):
+    """A vLLM engine failed to start; the message is one line with the root cause."""
 
 
 class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
     def __init__(self, model_path: str, rollout_cfg: dict, seed: int):
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
         # On CPU the KV cache is a fixed size (fractions of a GiB allowed, unlike the legacy
         # VLLM_CPU_KVCACHE_SPACE, which still wins if set); on GPU gpu_memory_utilization rules.
         kv_bytes = int(rollout_cfg["kv_cache_gib"] * 2**30) if current_platform.is_cpu() else None
-        self.llm = LLM(
+        tp = rollout_cfg["tensor_parallel_size"]
+        if tp > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's CPU build binds each TP rank's threads to a NUMA node of its own and refuses
+            # more ranks than nodes; a one-node machine splits its CPUs between the ranks instead.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp)
+        self._stderr = StderrTail()
+        try:
+            self.llm = self._start_engine(model_path, kv_bytes, tp, seed)
+        except Exception as error:
+            cause = root_cause(self._stderr.text()) or f"{type(error).__name__}: {error}"
+            raise EngineStartError(f"the vLLM engine did not start: {cause.splitlines()[0][:500]}") from None
+        self.policy_version = 0
+
+    def _start_engine(self, model_path: str, kv_bytes, tp: int, seed: int):
+        from vllm import LLM
+
+        rollout_cfg = self.cfg
+        return LLM(
             kv_cache_memory_bytes=kv_bytes,
             model=model_path,
             dtype=rollout_cfg["dtype"],
             max_model_len=rollout_cfg["max_model_len"],
             gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"],
-            tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
-            enforce_eager=True,
+            tensor_parallel_size=tp,
+            # Tensor-parallel ranks as processes inside this actor, on the GPUs Ray gave it (its
+            # CUDA_VISIBLE_DEVICES): vLLM's Ray executor would look for GPUs this actor already
+            # holds, and refuses bundles of several GPUs. One rank: no executor processes at all.
+            distributed_executor_backend="mp" if tp > 1 else None,
+            enforce_eager=rollout_cfg["enforce_eager"],
             seed=seed,
             worker_extension_cls=RECEIVER_CLASS,
             # Log-probs of the distribution actually sampled from (after temperature, top-k,
             # top-p): the behaviour policy of the importance weights in the loss.
             logprobs_mode="processed_logprobs",
         )
-        self.policy_version = 0
 
     def ready(self) -> int:
         return self.policy_version
@@ -115,8 +139,23 @@ class GenerationWorker:
         self.policy_version = version
         return {"policy_version": version, **timings}
 
-    def weights_checksum(self) -> float:
-        return self.llm.collective_rpc("weights_checksum")[0]
+    def weights_checksum(self) -> list:
+        """Per tensor-parallel rank, the sum of each parameter (its shard) by name."""
+        return self.llm.collective_rpc("weights_checksum")
+
+
+def cpu_thread_binding(cpus: Sequence[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` ranks over `cpus`: contiguous shares, one per rank
+    (`0,1|2,3`); with fewer CPUs than ranks, ranks share them round-robin (`0|1|0`)."""
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(ranks))
+    share, extra = divmod(len(cpus), ranks)
+    parts, start = [], 0
+    for rank in range(ranks):
+        size = share + (rank < extra)
+        parts.append(",".join(map(str, cpus[start:start + size])))
+        start += size
+    return "|".join(parts)
 
 
 def _sampled_logprobs(completion) -> List[float]:

@@ -6,29 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import small_overrides
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("models"))
-
-
-def small_overrides(model_cache: str, tmp_dir: str):
-    """A run small enough for tests, on the same code path as the default job."""
-    return [
-        f"model.cache_dir={model_cache}",
-        f"trainer.output_dir={tmp_dir}",
-        "trainer.prompts_per_step=8",
-        "trainer.progress=false",
-        "algo.group_size=4",
-        "data.heldout_size=16",
-        "warmup.steps=20",
-        "warmup.check_every=10",
-        "warmup.target_accuracy=0.99",  # exercises the probe path: two probes, two pushes
-        "logger=none",
-        # Two test workers each hold engines of their own (and some tests start more): the
-        # default 1 GiB of KV cache each would fill this machine's memory.
-        "rollout.kv_cache_gib=0.25",
-    ]
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def main(model_cache: str, out: str) -> None:
     from cluster.placement import check
     from cluster.train import ACTOR_ENV, check_resources, grpo_step, resolve_model, start_roles, warm_up
     from rollout.datasets import PromptSampler, load_problems
-    from tests.conftest import small_overrides
+    from tests.helpers import small_overrides
 
     store = 150 * 2**20
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store})

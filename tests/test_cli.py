@@ -2,20 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-
-GRPO = str(Path(sys.executable).parent / "grpo")
-
-
-def run(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+from helpers import GRPO, run
 
 
 def test_cfg_prints_composed_config_and_exits_0():

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-GRPO = str(Path(sys.executable).parent / "grpo")
+from helpers import GRPO
+
 TEMPLATE = "{question} Answer in <answer></answer>."
 SYSTEM = "You add numbers."
 

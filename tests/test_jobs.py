@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cluster.ray_utils import free_port
-from conftest import small_overrides
+from helpers import small_overrides
 
 
 BIN = Path(sys.executable).parent

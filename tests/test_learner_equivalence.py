@@ -17,7 +17,6 @@ that map can do to the gradient difference the SGD check allows (see `_adam_tole
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,8 +24,8 @@ import pytest
 import ray
 import torch
 
-from cluster.prompt_group import PromptGroup
 from learner import grpo
+from helpers import varied_groups
 from learner.group import LearnerGroup
 
 
@@ -38,20 +37,6 @@ GRAD_RTOL = 1e-4   # rounding gave up to 2e-6 here; the wrong implementations 1.
 # DAPO-style settings whose normalisation depends on how tokens are split over ranks.
 DAPO = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overlong_penalty=0.5,
             clip_high=0.28, beta=0.0, max_length=10)  # completions of 2-9 tokens: 7-9 are penalised
-
-
-def _batch(vocab: int, num_groups: int = 4):
-    """Prompt groups with varied lengths, rewards and finish reasons, fixed by a seed."""
-    rng = random.Random(7)
-    groups = []
-    for i in range(num_groups):
-        completions = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 9))] for _ in range(G)]
-        groups.append(PromptGroup(
-            index=i, prompt=f"q{i}", answer="0", prompt_ids=[rng.randrange(3, vocab) for _ in range(5)],
-            completions=["x"] * G, completion_ids=completions,
-            finish_reasons=[rng.choice(["stop", "length"]) for _ in range(G)], policy_version=0,
-            rewards=[float(rng.random() < 0.5) + 0.1 * rng.random() for _ in range(G)]))
-    return groups
 
 
 def _one_step(cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0, optimizer: str = "sgd",
@@ -138,7 +123,7 @@ class PlainGRPO:
 @pytest.fixture(scope="module")
 def batch(system_cfg):
     vocab = json.loads((Path(system_cfg.model.path) / "config.json").read_text())["vocab_size"]
-    return _batch(vocab)
+    return varied_groups(vocab, G)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from learner.group import LearnerGroup
-from test_learner_equivalence import _batch
+from helpers import varied_groups
 
 
 def test_ppo_step_trains_policy_and_critic(ray_session, system_cfg):
@@ -17,7 +17,7 @@ def test_ppo_step_trains_policy_and_critic(ray_session, system_cfg):
     from pathlib import Path
 
     vocab = json.loads((Path(system_cfg.model.path) / "config.json").read_text())["vocab_size"]
-    groups = [ray.put(g) for g in _batch(vocab)]
+    groups = [ray.put(g) for g in varied_groups(vocab, 4)]
     learner_cfg = {**asdict(system_cfg.learner), "num_ranks": 2, "zero_stage": 2, "minibatches": 1,
                    "num_cpus_per_rank": 0.1}
     algo = {**asdict(system_cfg.algo), "max_length": 32, "adv_estimator": "gae", "critic_lr": 3e-3}

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from helpers import GRPO
 
 from cluster.config import DataConfig
 from rollout.datasets import DataError, Problem, load_problems
 from rollout.prompts import render, stop_token_ids, use_chat_template
 
-GRPO = str(Path(sys.executable).parent / "grpo")
 ROW = Problem(prompt="Ann has 3 pens and gets 4 more.", answer="7", fields={"name": "Ann"})
 CONVERSATION = Problem(prompt="2+2=", answer="4", messages=(("system", "Be brief."), ("user", "2+2=")))
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cluster.checkpoint import complete_checkpoints
-from conftest import small_overrides
-from test_cli import GRPO, run
+from helpers import small_overrides
+from helpers import GRPO, run
 
 
 STEPS = 4

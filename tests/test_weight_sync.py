@@ -11,14 +11,9 @@ import pytest
 import ray
 
 from cluster.sync_channel import WeightSyncChannel, WeightSyncError
-from learner.group import LearnerGroup
-from rollout.datasets import load_problems
+from helpers import engine_state, warmed_learner
 from rollout.pool import RolloutPool
 from rollout.worker import GenerationWorker
-
-
-
-PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
 
 
 def _cfg(system_cfg, tied: bool):
@@ -50,29 +45,10 @@ def model_and_workers(request, roles, system_cfg):
     roles.channel.recover()  # re-join the session's learner and push its weights back
 
 
-def _learner(cfg, zero_stage: int) -> LearnerGroup:
-    learner_cfg = {**asdict(cfg.learner), "zero_stage": zero_stage, "num_ranks": 2,
-                   # DeepSpeed keeps parameters under 1e5 elements whole by default: every one
-                   # of the tiny model's. Partition them all, as a large model's would be.
-                   "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
-    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
-    learner = LearnerGroup(cfg.model.path, learner_cfg, algo, 0)
-    train_set = load_problems(cfg.data, 0).train
-    learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
-    learner.warmup(3, 16, 3e-3, 0)  # weights that differ from the engines' initial ones
-    return learner
-
-
-def _greedy(worker):
-    prompts = [(i, p, "", {}) for i, p in enumerate(PROMPTS)]
-    out = ray.get(worker.generate.remote(*prompts, n=1, greedy=True, seeds=[0] * len(prompts)))
-    return [g.completion_ids for g in out[:-1]]
-
-
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, zero_stage, tmp_path):
     cfg, pool = model_and_workers
-    learner = _learner(cfg, zero_stage)
+    learner = warmed_learner(cfg, zero_stage)
     try:
         # Small buckets: several broadcasts, and under ZeRO-3 several gathers.
         channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
@@ -83,11 +59,9 @@ def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_worker
         learner.shutdown()
     fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, asdict(cfg.rollout), 123)
     try:
-        expected = (_greedy(fresh), ray.get(fresh.prompt_logprobs.remote(PROMPTS)),
-                    ray.get(fresh.weights_checksum.remote()))
+        expected = engine_state(fresh)
         for worker in pool.workers:
-            got = (_greedy(worker), ray.get(worker.prompt_logprobs.remote(PROMPTS)),
-                   ray.get(worker.weights_checksum.remote()))
+            got = engine_state(worker)
             assert got[0] == expected[0], "greedy outputs differ from a fresh engine's"
             assert got[1] == expected[1], "prompt log-probs differ from a fresh engine's"
             assert got[2] == expected[2], "parameters differ from a fresh engine's"
@@ -104,7 +78,7 @@ def test_a_sync_to_a_dead_worker_ends_in_an_error_not_a_hang(untied_workers):
     """Last in this module: it kills one of the untied pool's workers for good (no second pool:
     two test workers' engines already fill most of this machine's memory)."""
     cfg, pool = untied_workers
-    learner = _learner(cfg, 2)
+    learner = warmed_learner(cfg, 2)
     try:
         channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=1, timeout_s=30)
         channel.push(1)

@@ -1,0 +1,87 @@
+"""Helpers that several test modules share (instead of importing each other)."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+
+GRPO = str(Path(sys.executable).parent / "grpo")
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """A command as a user types it, its output captured."""
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def small_overrides(model_cache: str, tmp_dir: str):
+    """A run small enough for tests, on the same code path as the default job."""
+    return [
+        f"model.cache_dir={model_cache}",
+        f"trainer.output_dir={tmp_dir}",
+        "trainer.prompts_per_step=8",
+        "trainer.progress=false",
+        "algo.group_size=4",
+        "data.heldout_size=16",
+        "warmup.steps=20",
+        "warmup.check_every=10",
+        "warmup.target_accuracy=0.99",  # exercises the probe path: two probes, two pushes
+        "logger=none",
+        # Two test workers each hold engines of their own (and some tests start more): the
+        # default 1 GiB of KV cache each would fill this machine's memory.
+        "rollout.kv_cache_gib=0.25",
+    ]
+
+
+def varied_groups(vocab: int, group_size: int, num_groups: int = 4):
+    """Prompt groups with varied lengths, rewards and finish reasons, fixed by a seed."""
+    from cluster.prompt_group import PromptGroup
+
+    rng = random.Random(7)
+    groups = []
+    for i in range(num_groups):
+        completions = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 9))] for _ in range(group_size)]
+        groups.append(PromptGroup(
+            index=i, prompt=f"q{i}", answer="0", prompt_ids=[rng.randrange(3, vocab) for _ in range(5)],
+            completions=["x"] * group_size, completion_ids=completions,
+            finish_reasons=[rng.choice(["stop", "length"]) for _ in range(group_size)], policy_version=0,
+            rewards=[float(rng.random() < 0.5) + 0.1 * rng.random() for _ in range(group_size)]))
+    return groups
+
+PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
+
+
+def warmed_learner(cfg, zero_stage: int):
+    """A 2-rank learner whose weights differ from the engines' initial ones (3 warm-up steps).
+    Under ZeRO-3 every parameter is partitioned, as a large model's would be (DeepSpeed keeps
+    parameters under 1e5 elements whole by default: every one of the tiny model's)."""
+    from learner.group import LearnerGroup
+    from rollout.datasets import load_problems
+
+    learner_cfg = {**asdict(cfg.learner), "zero_stage": zero_stage, "num_ranks": 2,
+                   "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
+    learner = LearnerGroup(cfg.model.path, learner_cfg, algo, 0)
+    train_set = load_problems(cfg.data, 0).train
+    learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
+    learner.warmup(3, 16, 3e-3, 0)
+    return learner
+
+
+def greedy_ids(worker, prompts=PROMPTS):
+    """A generation worker's greedy completion ids for `prompts`."""
+    batch = [(i, p, "", {}) for i, p in enumerate(prompts)]
+    out = ray.get(worker.generate.remote(*batch, n=1, greedy=True, seeds=[0] * len(batch)))
+    return [g.completion_ids for g in out[:-1]]
+
+
+def engine_state(worker, prompts=PROMPTS):
+    """What must match between two engines holding the same weights: greedy outputs, prompt
+    log-probs, and every tensor-parallel rank's parameter sums."""
+    return (greedy_ids(worker, prompts), ray.get(worker.prompt_logprobs.remote(prompts)),
+            ray.get(worker.weights_checksum.remote()))

@@ -1,0 +1,58 @@
+"""Tensor parallelism on vLLM's CPU build: an engine of 2 TP ranks (processes inside its Ray actor,
+vLLM's `mp` executor) starts, both ranks join the weight-sync group, and after a push the engine
+holds exactly what a fresh TP-2 engine loaded from the saved weights holds. An engine that cannot
+start says why in one line."""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict
+
+import ray
+
+from cluster.sync_channel import WeightSyncChannel
+from helpers import GRPO, engine_state, run, small_overrides, warmed_learner
+from rollout.pool import RolloutPool
+from rollout.worker import GenerationWorker, cpu_thread_binding
+
+
+def test_cpu_thread_binding_splits_the_cpus_between_ranks():
+    assert cpu_thread_binding([0, 1], 2) == "0|1"
+    assert cpu_thread_binding([0, 1, 2, 3, 4], 2) == "0,1,2|3,4"
+    assert cpu_thread_binding([3], 2) == "3|3"
+
+
+def test_a_tp2_engine_syncs_exactly(ray_session, system_cfg, tmp_path):
+    cfg = copy.deepcopy(system_cfg)
+    cfg.rollout.tensor_parallel_size = 2
+    pool = RolloutPool(cfg.model.path, asdict(cfg.rollout), 1, 0, 0.5, 0)
+    learner = warmed_learner(cfg, 2)
+    try:
+        assert pool.sync_ranks == 2
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+        channel.push(3)
+        assert pool.versions() == [3]
+        synced = engine_state(pool.workers[0])
+        folder = learner.save_pretrained(str(tmp_path / "saved"))
+    finally:
+        learner.shutdown()
+        pool.shutdown()  # one TP-2 engine at a time: this machine's memory
+    assert len(synced[2]) == 2, "both tensor-parallel ranks report their shard"
+    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, asdict(cfg.rollout), 123)
+    try:
+        expected = engine_state(fresh)
+    finally:
+        ray.kill(fresh)
+    assert synced[0] == expected[0], "greedy outputs differ from a fresh TP-2 engine's"
+    assert synced[1] == expected[1], "prompt log-probs differ from a fresh TP-2 engine's"
+    assert synced[2] == expected[2], "a rank's parameters differ from a fresh TP-2 engine's"
+
+
+def test_an_engine_that_cannot_start_names_its_root_cause(tmp_path, model_cache):
+    # A KV cache too small for one block: vLLM's engine core fails in its child process, where
+    # the driver would otherwise see only "Engine core initialization failed. See root cause above".
+    result = run(GRPO, "train", *small_overrides(model_cache, str(tmp_path)), "rollout.kv_cache_gib=0.00001",
+                 "rollout.num_workers=1", "trainer.max_steps=1", timeout=600)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "the vLLM engine did not start: ValueError: No available memory for the cache blocks" in lines[0], lines[0]
