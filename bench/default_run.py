@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -30,15 +31,24 @@ def main() -> None:
         cmd = [GRPO, "train", f"trainer.seed={seed}", f"trainer.run_name={name}",
                f"trainer.output_dir={args.output_dir}", *args.overrides]
         started = time.time()
-        subprocess.run(cmd, check=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout[-1500:], proc.stderr[-1500:], flush=True)
+        proc.check_returncode()
         wall = (time.time() - started) / 60
         summary = json.loads((Path(args.output_dir) / name / "summary.json").read_text())
-        rows.append((seed, summary["heldout_accuracy_before"], summary["heldout_accuracy_after"],
-                     summary["wall_minutes"], wall))
-    lines = ["| seed | held-out before GRPO | after GRPO | gain (points) | job minutes | process minutes |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for seed, before, after, minutes, wall in rows:
-        lines.append(f"| {seed} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} | {minutes:.1f} | {wall:.1f} |")
+        warm = re.search(r"warm-up: (\d+) supervised steps.*?(?:probe accuracy ([\d.]+)%)?$", proc.stdout, re.M)
+        rows.append((seed, warm.group(1) if warm else "0", summary["heldout_accuracy_before"],
+                     summary["heldout_accuracy_after"], summary["wall_minutes"], wall))
+    lines = ["| seed | warm-up steps | held-out before GRPO | after GRPO | gain (points) | job minutes | "
+             "process minutes | +20 points to 80% within 6 min |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    met = 0
+    for seed, warm, before, after, minutes, wall in rows:
+        ok = after - before >= 0.2 and after >= 0.8 and wall <= 6.0
+        met += ok
+        lines.append(f"| {seed} | {warm} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} | {minutes:.1f} | "
+                     f"{wall:.1f} | {'yes' if ok else 'no'} |")
+    lines.append(f"\n{met} of {len(rows)} seeds met the bar.")
     table = "\n".join(lines)
     print(table)
     out = Path(args.output_dir) / "bench_default_run.md"

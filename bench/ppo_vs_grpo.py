@@ -1,5 +1,5 @@
 """GRPO against PPO with a critic (`algo.adv_estimator=gae`) on the same model, task and pipeline:
-peak learner memory, step time and held-out accuracy side by side (seed 000's central claim is
+peak learner memory, step time and held-out accuracy side by side (the DeepSeekMath paper's claim is
 that dropping the critic roughly halves the learner's memory).
 
     .venv/bin/python bench/ppo_vs_grpo.py [--steps 40] [overrides...]

@@ -34,24 +34,41 @@ class Roles:
     placement: object = None
 
     def shutdown(self) -> None:
-        for role in (self.rollout, self.verifiers, self.learner):
-            role.shutdown()
+        """Every role's actors and the placement groups, whichever of them still answer."""
+        for part in (self.rollout, self.verifiers, self.learner):
+            try:
+                part.shutdown()
+            except Exception:  # a dead actor or a lost node: the others still go
+                pass
         if self.placement is not None:
-            self.placement.remove()
+            try:
+                self.placement.remove()
+            except Exception:
+                pass
+
+
+@dataclass
+class Held:
+    """What a run holds while it runs; `close` lets all of it go, on every way out (the last
+    step, an error, Ctrl-C): the async batch thread, the actors and placement groups, Ray."""
+
+    roles: Optional[Roles] = None
+    batches: object = None
+
+    def close(self) -> None:
+        import ray
+
+        if self.batches is not None:
+            self.batches.close()
+        if self.roles is not None:
+            self.roles.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def train(cfg: Config) -> Dict[str, object]:
     """The whole job: warm-up, GRPO steps, held-out accuracy before and after. Returns the summary."""
-    import ray
-
-    from cluster.buffer import RolloutBuffer
-    from cluster.checkpoint import save_checkpoint
-    from cluster.eval_job import evaluate_full, write_records
-    from cluster.evaluation import format_table
-    from cluster.metrics import MetricsLogger
-    from cluster.ray_utils import init_ray
-    from learner.group import LearnerError
-    from rollout.datasets import PromptSampler, load_problems
+    from rollout.datasets import load_problems
 
     started = time.time()
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
@@ -59,13 +76,34 @@ def train(cfg: Config) -> Dict[str, object]:
     cfg.model.path = resolve_model(cfg)
     heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
     resume_from = find_resume_point(cfg)
+    held = Held()
+    try:
+        summary = _run(cfg, heldout, train_set, prompts, resume_from, started, held)
+    finally:
+        held.close()
+    print_summary(Path(summary["run_dir"]), summary)
+    return summary
+
+
+def _run(cfg: Config, heldout, train_set, prompts, resume_from, started: float, held: Held) -> Dict[str, object]:
+    """The run once its inputs are checked: Ray, the roles, warm-up, the GRPO steps, the files.
+    Whatever it starts is recorded in `held`, which the caller closes however this ends."""
+    from cluster.buffer import RolloutBuffer
+    from cluster.checkpoint import save_checkpoint
+    from cluster.eval_job import evaluate_full, write_records
+    from cluster.evaluation import format_table
+    from cluster.metrics import MetricsLogger
+    from cluster.ray_utils import init_ray
+    from learner.group import LearnerError
+    from rollout.datasets import PromptSampler
+
     dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
     say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a cluster "
         "with RAY_ADDRESS or ray.address to get one)", started)
     check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
     run_dir = make_run_dir(cfg)
     show_prompt(run_dir, prompts, started)
-    roles = start_roles(cfg)
+    roles = held.roles = start_roles(cfg)
     say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
         f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks", started)
 
@@ -80,14 +118,11 @@ def train(cfg: Config) -> Dict[str, object]:
         say(f"resumed from {resume_from} (step {state['step']}, policy version {version})", started)
     logger = MetricsLogger(run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger, cfg.trainer.progress,
                            resume_step=first_step - 1)
-    batches = make_batches(cfg, roles, sampler, first_step)
+    batches = held.batches = make_batches(cfg, roles, sampler, first_step)
     for step in range(first_step, cfg.trainer.max_steps + 1):
         try:
             row = grpo_step(step, version, roles, batches, buffer, cfg)
         except LearnerError as error:
-            batches.close()
-            roles.shutdown()
-            ray.shutdown()
             raise LearnerError(f"{error} at step {step}; the run stopped. " + resume_hint(cfg, run_dir)) from error
         version = row["policy_version"]
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
@@ -105,6 +140,7 @@ def train(cfg: Config) -> Dict[str, object]:
             }, cfg.trainer.keep_checkpoints)
         _injected_fault(step, roles)
     batches.close()
+    held.batches = None
 
     accuracy_after = evaluate(roles, heldout)
     say(f"held-out greedy accuracy after {algorithm(cfg)}: {accuracy_after:.1%}", started)
@@ -130,10 +166,7 @@ def train(cfg: Config) -> Dict[str, object]:
     from cluster.report import write_report
 
     write_report(run_dir, accuracy_before, accuracy_after)
-    roles.shutdown()
-    ray.shutdown()
-    print_summary(run_dir, summary)
-    return summary
+    return {**summary, "run_dir": str(run_dir)}
 
 
 def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Config) -> Dict[str, float]:

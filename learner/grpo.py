@@ -1,4 +1,4 @@
-"""GRPO maths: advantages, KL penalty, clipped surrogate loss (see DESIGN.md "GRPO, exactly").
+"""GRPO maths: advantages, KL penalty, clipped surrogate loss (docs/design.md, "GRPO, exactly").
 
 Pure torch. Shapes: B prompts x G samples = N completions, T tokens per (padded) completion.
 Names follow the maths: r rewards, A advantages, rho the importance ratio.
@@ -36,7 +36,7 @@ def compute_advantages(rewards: Tensor, group_size: int, scale: str = "group",
     grpo: A_i = r_i - mean(r);  rloo: A_i = r_i - mean_{j != i} r_j  (leave-one-out baseline).
     scale: "group" divides by the group's population std of r (+eps), "batch" by the whole
     batch's population std of r (+eps), "none" keeps the centred value (Dr. GRPO).
-    The std is always that of the rewards (for rloo too), as in DESIGN.md's formula.
+    The std is always that of the rewards (for rloo too), as docs/design.md states.
     """
     _check("scale", scale, SCALES)
     _check("advantage estimator", estimator, ADV_ESTIMATORS)

@@ -1,4 +1,4 @@
-"""PPO maths for the critic baseline (`algo.adv_estimator=gae`), as in seed 000's PPO.
+"""PPO maths for the critic baseline (`algo.adv_estimator=gae`; docs/design.md, "GRPO, exactly").
 
 Pure torch, per-token tensors [N, T] aligned with the log-probs (position t holds the action
 token t and the critic's value of the state before it). The sequence's reward arrives at its

@@ -137,3 +137,14 @@ def test_verify_rejects_a_file_that_is_not_utf8(tmp_path):
     path.write_bytes(b'{"prompt": "a", "completion": "\xff\xfe", "answer": "1"}\n')
     result = run(GRPO, "verify", "--verifiers", "math", "--input", str(path), "--output", str(tmp_path / "o.jsonl"))
     assert result.returncode == 2 and "line 1: not UTF-8" in result.stderr
+
+
+def test_engines_without_gpus_on_a_gpu_cluster_are_refused_before_any_actor(tmp_path):
+    """A local Ray with 2 fake GPUs: the default rollout.num_gpus_per_worker=0 would put every
+    engine on GPU 0 of each node; the run stops with exit 2 and one line."""
+    result = run(GRPO, "train", "ray.num_gpus=2", "logger=none", f"trainer.output_dir={tmp_path}",
+                 f"model.cache_dir={tmp_path / 'models'}", timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0" in lines[0], result.stderr
+    assert "actors ready" not in result.stdout

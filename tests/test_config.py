@@ -205,3 +205,25 @@ def test_any_deepspeed_setting_passes_through_merged_over_the_generated_one():
 def test_ppo_with_micro_batching_is_refused_in_one_line():
     message = config_error("algo.adv_estimator=gae", "learner.max_tokens_per_microbatch=512")
     assert "learner.max_tokens_per_microbatch" in message and "gae" in message
+
+
+def test_device_dependent_defaults_resolve_for_cpu_and_gpu():
+    cpu = load_config([])
+    assert (cpu.rollout.dtype, cpu.rollout.enforce_eager) == ("float32", True)
+    gpu = load_config(["rollout.num_gpus_per_worker=2", "rollout.tensor_parallel_size=2"])
+    assert (gpu.rollout.dtype, gpu.rollout.enforce_eager) == ("bfloat16", False)
+    forced = load_config(["rollout.num_gpus_per_worker=1", "rollout.dtype=float16", "rollout.enforce_eager=true"])
+    assert (forced.rollout.dtype, forced.rollout.enforce_eager) == ("float16", True)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rollout.num_gpus_per_worker=1", "rollout.tensor_parallel_size=2"], ["rollout.num_gpus_per_worker=1",
+                                                                        "tensor_parallel_size=2"]),
+    (["rollout.num_gpus_per_worker=0.5"], ["rollout.num_gpus_per_worker=0.5"]),
+    (["learner.num_gpus_per_rank=0.5"], ["learner.num_gpus_per_rank=0.5", "one whole GPU"]),
+    (["learner.num_gpus_per_rank=2"], ["learner.num_gpus_per_rank=2"]),
+])
+def test_gpu_layouts_that_share_a_gpu_are_refused(overrides, words):
+    message = config_error(*overrides)
+    assert all(w in message for w in words), message
+
