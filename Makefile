@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create .venv if missing, install, run the built-in GRPO job end to end
-#   make test   same install if needed, then the test suite
+#   make test   same install if needed, then the whole test suite (unit, integration, e2e)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -9,7 +9,7 @@ comma   := ,
 # One stamp per set of extras: asking for other extras installs them.
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-unit bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests $(ARGS)
+
+# The unit tier alone (pure logic, under a minute): for quick checks while editing.
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs wandb

@@ -51,7 +51,18 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
+EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # the run has already let its actors and Ray go (cluster/train.py)
+        print("grpo: interrupted; everything the run started has been stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from cluster.compose import ConfigError, compose_config, load_config
 

@@ -8,6 +8,16 @@ import pytest
 
 from helpers import small_overrides
 
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):

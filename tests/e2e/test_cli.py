@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -148,3 +149,53 @@ def test_engines_without_gpus_on_a_gpu_cluster_are_refused_before_any_actor(tmp_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0" in lines[0], result.stderr
     assert "actors ready" not in result.stdout
+
+
+def test_ctrl_c_lets_everything_go(tmp_path, model_cache):
+    """Ctrl-C in the middle of the GRPO steps: the run stops with one line, and no process it
+    started (Ray, the actors, vLLM's engine processes, DeepSpeed) is left behind."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import small_overrides
+
+    proc = subprocess.Popen([GRPO, "train", *small_overrides(model_cache, str(tmp_path)), "trainer.max_steps=200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # bounded by pytest-timeout
+            if "held-out greedy accuracy after warm-up" in line:
+                break
+        time.sleep(5)  # inside the GRPO steps
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 130, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith("grpo: interrupted"), err[-3000:]
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # anything left in the run's process group?
+            except ProcessLookupError:
+                break
+            time.sleep(1)
+        else:
+            left = subprocess.run(["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+            raise AssertionError(f"processes left after Ctrl-C:\n{left}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (['data.prompt_template="{question}?"'], ["data.prompt_template", "'question'", "row 1"]),
+    (["data.chat_template=maybe"], ["data.chat_template", "maybe"]),
+    (["data.eval_split=test"], ["data.eval_split"]),
+    (["eval.n=2", "eval.k=[4]"], ["eval.k"]),
+])
+def test_bad_prompt_settings_exit_2_before_any_actor(tmp_path, model_cache, overrides, words):
+    result = run(GRPO, "train", f"model.cache_dir={model_cache}", f"trainer.output_dir={tmp_path}", "logger=none",
+                 *overrides, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), result.stderr
+    assert not any(tmp_path.iterdir())

@@ -3,11 +3,8 @@ template through the real `apply_chat_template`, conversational rows, stops, and
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-
-from helpers import GRPO
 
 from cluster.config import DataConfig
 from rollout.datasets import DataError, Problem, load_problems
@@ -139,18 +136,3 @@ def test_gold_answers_from_gsm8k_math_and_plain_fields(tmp_path):
     heldout, train = load_problems(DataConfig(source="jsonl", path=_rows(tmp_path / "g.jsonl", rows), heldout_size=0), 0)
     answers = {p.prompt: p.answer for p in heldout + train}
     assert answers == {"a": "7", "b": "\\frac{1}{2}", "c": "12", "d": "1234", "e": "x"}
-
-
-@pytest.mark.parametrize("overrides, words", [
-    (['data.prompt_template="{question}?"'], ["data.prompt_template", "'question'", "row 1"]),
-    (["data.chat_template=maybe"], ["data.chat_template", "maybe"]),
-    (["data.eval_split=test"], ["data.eval_split"]),
-    (["eval.n=2", "eval.k=[4]"], ["eval.k"]),
-])
-def test_bad_prompt_settings_exit_2_before_any_actor(tmp_path, model_cache, overrides, words):
-    result = subprocess.run([GRPO, "train", f"model.cache_dir={model_cache}", f"trainer.output_dir={tmp_path}",
-                             "logger=none", *overrides], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and all(w in lines[0] for w in words), result.stderr
-    assert not any(tmp_path.iterdir())

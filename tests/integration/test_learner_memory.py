@@ -1,0 +1,28 @@
+"""A real learner step (DeepSpeed on the CPU) at Qwen2.5's 151,936-token vocabulary: its memory
+follows the micro-batch token budget, not the batch (learner/logprobs.py, every forward micro-batched)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCENARIO = str(Path(__file__).with_name("memory_scenario.py"))
+
+
+def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_path):
+    """151,936-token vocabulary, 700-token rows, budget 700 tokens (one row per micro-batch).
+    What a micro-batch may hold at once: its logits, their gradient and float32 chunks, under
+    3 x budget x vocab x 4 bytes (1.28 GB); the full batch's logits alone would be 4 x 425 MB,
+    with a float32 log-softmax 3 more copies. Twice the rows must not raise the peak."""
+    budget, vocab = 700, 151936
+    # the first step (its one-time allocations) is not measured
+    proc = subprocess.run([sys.executable, SCENARIO, str(tmp_path), str(budget), "2", "2", "4"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    bound = 3 * budget * vocab * 4
+    small, large = out["2"], out["4"]
+    assert large["micro_batches"] == 4 and small["micro_batches"] == 2
+    assert small["rise_bytes"] <= bound and large["rise_bytes"] <= bound, out
+    assert large["rise_bytes"] <= small["rise_bytes"] + 0.1 * bound, out
