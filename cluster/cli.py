@@ -55,11 +55,25 @@ EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where every thread is
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         return _main(argv)
     except KeyboardInterrupt:  # the run has already let its actors and Ray go (cluster/train.py)
         print("grpo: interrupted; everything the run started has been stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _interrupt(signum, frame) -> None:
+    """The first Ctrl-C stops the run cleanly (KeyboardInterrupt, then its clean-up); a second
+    one while that clean-up runs exits at once."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+    raise KeyboardInterrupt
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
@@ -103,6 +117,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         from rollout.datasets import DataError
 
         from learner.group import LearnerError
+        from cluster.sync_channel import WeightSyncError
         from rollout.worker import EngineStartError
 
         try:
@@ -114,7 +129,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             train(cfg)
         except DataError as exc:
             return _fail(str(exc))
-        except (LearnerError, EngineStartError) as exc:  # not bad input: the run failed, and says why
+        except (LearnerError, EngineStartError, WeightSyncError) as exc:  # not bad input: the run failed, and says why
             print(f"grpo: error: {exc}", file=sys.stderr)
             return 1
     except ConfigError as exc:

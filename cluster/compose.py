@@ -134,6 +134,9 @@ def check_gpu_layout(cfg: Config, cluster_gpus: float) -> None:
     """No two roles on one GPU by accident (NCCL refuses two ranks on one GPU, and a second vLLM
     engine on a GPU fails its free-memory check)."""
     tp = cfg.rollout.tensor_parallel_size
+    if cluster_gpus > 0 and os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+        raise ConfigError("VLLM_BATCH_INVARIANT=1 is not supported on GPUs: it pins NCCL settings inside the "
+                          "engines that the learner's weight-sync sender does not share; unset it")
     if cluster_gpus > 0 and cfg.rollout.num_gpus_per_worker == 0:
         raise ConfigError(f"the cluster has {cluster_gpus:g} GPUs but rollout.num_gpus_per_worker=0: every vLLM "
                           f"engine would see all of them and use GPU 0; set rollout.num_gpus_per_worker={tp}")

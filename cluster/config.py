@@ -197,8 +197,8 @@ class LearnerConfig:
     zero_stage: int = 2
     """DeepSpeed ZeRO stage (0-3)."""
     lr: float = 7e-4
-    """GRPO learning rate (AdamW). 2e-3 did not learn the built-in task from a weak start (KL
-    rose, reward stayed flat); 5e-4 and 7e-4 did (measured)."""
+    """GRPO learning rate (the default suits the built-in model; how it was chosen: the README's
+    "The built-in job")."""
     lr_schedule: str = "linear"
     """`linear` decays lr to lr * min_lr_ratio at the last GRPO step; `constant` keeps it."""
     min_lr_ratio: float = 0.1

@@ -94,6 +94,7 @@ def _run(cfg: Config, heldout, train_set, prompts, resume_from, started: float, 
     from cluster.evaluation import format_table
     from cluster.metrics import MetricsLogger
     from cluster.ray_utils import init_ray
+    from cluster.sync_channel import WeightSyncError
     from learner.group import LearnerError
     from rollout.datasets import PromptSampler
 
@@ -122,8 +123,11 @@ def _run(cfg: Config, heldout, train_set, prompts, resume_from, started: float, 
     for step in range(first_step, cfg.trainer.max_steps + 1):
         try:
             row = grpo_step(step, version, roles, batches, buffer, cfg)
-        except LearnerError as error:
-            raise LearnerError(f"{error} at step {step}; the run stopped. " + resume_hint(cfg, run_dir)) from error
+        except (LearnerError, WeightSyncError) as error:
+            # A lost learner shard, or a push that could not be completed or retried (with NCCL a
+            # receiver lost mid-broadcast leaves the sender's communicator unusable): stop, say how
+            # to go on.
+            raise type(error)(f"{error} at step {step}; the run stopped. " + resume_hint(cfg, run_dir)) from error
         version = row["policy_version"]
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             eval_started = time.perf_counter()

@@ -140,14 +140,19 @@ def test_verify_rejects_a_file_that_is_not_utf8(tmp_path):
     assert result.returncode == 2 and "line 1: not UTF-8" in result.stderr
 
 
-def test_engines_without_gpus_on_a_gpu_cluster_are_refused_before_any_actor(tmp_path):
-    """A local Ray with 2 fake GPUs: the default rollout.num_gpus_per_worker=0 would put every
-    engine on GPU 0 of each node; the run stops with exit 2 and one line."""
+@pytest.mark.parametrize("case", ["engines without GPUs", "batch-invariant engines"])
+def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
+    """A local Ray with 2 fake GPUs. The default rollout.num_gpus_per_worker=0 would put every
+    engine on GPU 0 of each node; VLLM_BATCH_INVARIANT pins NCCL settings the sender does not
+    share. Either stops the run with exit 2 and one line."""
+    args, env, words = [], {}, "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0"
+    if case == "batch-invariant engines":
+        args, env, words = ["rollout.num_gpus_per_worker=1"], {"VLLM_BATCH_INVARIANT": "1"}, "VLLM_BATCH_INVARIANT=1"
     result = run(GRPO, "train", "ray.num_gpus=2", "logger=none", f"trainer.output_dir={tmp_path}",
-                 f"model.cache_dir={tmp_path / 'models'}", timeout=300)
+                 f"model.cache_dir={tmp_path / 'models'}", *args, env=env, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0" in lines[0], result.stderr
+    assert len(lines) == 1 and words in lines[0], result.stderr
     assert "actors ready" not in result.stdout
 
 
@@ -168,7 +173,14 @@ def test_ctrl_c_lets_everything_go(tmp_path, model_cache):
                 break
         time.sleep(5)  # inside the GRPO steps
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=180)
+        try:
+            _, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the driver prints every thread's stack
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate(timeout=60)
+            raise AssertionError(f"no exit 300 s after Ctrl-C; the driver's threads:\n{err[-6000:]}") from None
         assert proc.returncode == 130, err[-3000:]
         assert err.strip().splitlines()[-1].startswith("grpo: interrupted"), err[-3000:]
         deadline = time.time() + 30
