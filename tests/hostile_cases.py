@@ -1,4 +1,4 @@
-"""Hostile and broken completions for the verifier pool (tests/test_reward_pool.py and
+"""Hostile and broken completions for the verifier pool (tests/integration/test_reward_pool.py and
 bench/hostile_inputs.py). Each case attacks one verifier and says what must come out."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run in its own process by tests/test_logprobs.py: real GRPO steps of the learner (DeepSpeed on
+"""Run in its own process by tests/integration/test_learner_memory.py: real GRPO steps of the learner (DeepSpeed on
 the CPU, world size 1, no Ray) on a model with Qwen2.5's 151,936-token vocabulary and 700-token
 sequences, under a micro-batch token budget, for each batch size given. Prints one JSON line:
 for each batch, how far the process's peak resident memory rose above what it held before the

@@ -1,4 +1,4 @@
-"""Run in its own process by tests/test_placement.py (a process joins one Ray cluster only).
+"""Run in its own process by tests/integration/test_placement.py (a process joins one Ray cluster only).
 
 Starts a `ray.cluster_utils.Cluster`: a head and three nodes, each labelled with a custom
 resource; starts the real roles with cluster.nodes.* naming those labels; runs a short warm-up
