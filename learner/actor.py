@@ -73,6 +73,7 @@ class LearnerRank:
             "bf16": {"enabled": self.on_gpu},
             "steps_per_print": 10**9,
         }, learner_cfg.get("deepspeed") or {})
+        self.ds_config = ds_config
         optim_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[learner_cfg["optimizer"]]
         optimizer = optim_class(model.parameters(), lr=learner_cfg["lr"], weight_decay=learner_cfg["weight_decay"])
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -176,13 +177,44 @@ class LearnerRank:
         """Freeze a copy of the current policy as pi_ref (GRPO starts from the warmed-up model)."""
         if self.algo["beta"] <= 0:
             return  # beta = 0 needs no reference model at all
-        from transformers import AutoModelForCausalLM
-
         with self._full_state():
             state = {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+        self.ref_model = self._frozen_reference(state)
+
+    def _frozen_reference(self, state: dict):
+        """pi_ref from a full state dict. Under ZeRO-3 it is partitioned like the policy (a
+        DeepSpeed engine with no optimizer, each rank holding its shard, gathered layer by layer
+        in its forward): a full copy per rank is what ZeRO-3 is there to avoid."""
+        from transformers import AutoModelForCausalLM
+
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=self.dtype)
         ref.load_state_dict(state, strict=True)
-        self.ref_model = ref.to(self.device).eval().requires_grad_(False)
+        ref = ref.to(self.device).eval().requires_grad_(False)
+        if self.cfg["zero_stage"] != 3:
+            return ref
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "bf16": {"enabled": self.on_gpu},
+                  "zero_optimization": dict(self.ds_config["zero_optimization"])}
+        engine, _, _, _ = deepspeed.initialize(model=ref, config=config)
+        engine.eval()  # DeepSpeed's eval() returns None, not the engine
+        return engine
+
+    def reference_numel(self) -> Dict[str, int]:
+        """Elements of pi_ref this rank holds, and the full model's (for tests)."""
+        module = getattr(self.ref_model, "module", self.ref_model)
+        params = list(module.parameters())
+        return {"held": sum(p.numel() for p in params), "full": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+
+    def _reference_state(self) -> dict:
+        """The full reference weights (a collective under ZeRO-3: every rank calls it)."""
+        module = getattr(self.ref_model, "module", self.ref_model)
+        if self.cfg["zero_stage"] != 3:
+            return module.state_dict()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
     # ---- GRPO ----------------------------------------------------------------------------
     def train_step(self, group_refs: list, temperature: float, lr: float) -> Dict[str, float]:
@@ -486,9 +518,10 @@ class LearnerRank:
         if self.critic is not None:
             self.critic.save_checkpoint(os.path.join(folder, "critic"), tag="ds")
         torch.save(self._rng_state(), os.path.join(learner_dir, f"rng_rank{self.rank}.pt"))
+        reference = self._reference_state() if self.ref_model is not None else None
         if self.rank == 0:
-            if self.ref_model is not None:
-                torch.save(self.ref_model.state_dict(), os.path.join(folder, "reference.pt"))
+            if reference is not None:
+                torch.save(reference, os.path.join(folder, "reference.pt"))
             self.engine.module.config.save_pretrained(os.path.join(folder, "model"))
             self.tokenizer.save_pretrained(os.path.join(folder, "model"))
 
@@ -503,11 +536,7 @@ class LearnerRank:
             self.critic.load_checkpoint(os.path.join(folder, "critic"), tag="ds", load_optimizer_states=True)
         self._set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False))
         if self.algo["beta"] > 0:
-            from transformers import AutoModelForCausalLM
-
-            ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=self.dtype)
-            ref.load_state_dict(torch.load(os.path.join(folder, "reference.pt"), map_location="cpu"))
-            self.ref_model = ref.to(self.device).eval().requires_grad_(False)
+            self.ref_model = self._frozen_reference(torch.load(os.path.join(folder, "reference.pt"), map_location="cpu"))
 
     def _rng_state(self) -> dict:
         import numpy as np

@@ -237,3 +237,24 @@ def test_known_wrong_implementations_fail(ray_session, system_cfg, batch, refere
         reference_update = token_mean if name != "micro-batches weighted equally" else update
         error = mismatch(gradient, reference_update)
         assert error > 10 * GRAD_RTOL, f"{name}: only {error:.2e} from the right gradient"
+
+
+def test_zero3_reference_is_sharded_and_survives_a_checkpoint(ray_session, system_cfg, tmp_path):
+    """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy; a checkpoint
+    saves the full reference and loading it shards it again."""
+    learner_cfg = {**asdict(system_cfg.learner), "num_ranks": 2, "zero_stage": 3, "num_cpus_per_rank": 0.1,
+                   "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    algo_cfg = {**asdict(system_cfg.algo), "max_length": system_cfg.rollout.max_new_tokens}
+    learner = LearnerGroup(system_cfg.model.path, learner_cfg, algo_cfg, 0)
+    try:
+        learner.call("snapshot_reference")
+        held = learner.call("reference_numel")
+        assert all(h["held"] <= h["full"] / 2 + 1024 for h in held), held  # a half, padded per tensor
+        learner.save_checkpoint(str(tmp_path))
+        learner.call("load_checkpoint", str(tmp_path))
+        assert learner.call("reference_numel") == held
+        saved = torch.load(tmp_path / "reference.pt", map_location="cpu")
+        assert sum(v.numel() for v in saved.values()) >= held[0]["full"]  # saved whole
+    finally:
+        learner.shutdown()
+
