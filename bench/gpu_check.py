@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def synthetic_groups(num_prompts: int, group_size: int, vocab: int, prompt_len: int, completion_len: int,
                      seed: int):
-    from cluster.prompt_group import PromptGroup
+    from common.prompt_group import PromptGroup
 
     rng = random.Random(seed)
     groups = []
@@ -119,19 +119,20 @@ def logprobs_stage(vocab: int, positions: int) -> dict:
 
 def learner_stage(model_path: str, zero_stage: int, vocab: int, shape: dict) -> dict:
     import torch
-    from dataclasses import asdict
-
-    from cluster import weight_sync
-    from cluster.config import AlgoConfig, LearnerConfig
+    from common import weight_sync
+    from common.config import LearnerConfig
+    from learner import engines
     from learner.actor import LearnerRank
 
     gpu = torch.cuda.is_available()
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    learner_cfg = {**asdict(LearnerConfig()), "num_gpus_per_rank": 1, "zero_stage": zero_stage, "num_ranks": 1,
-                   "lr": 1e-6, "max_tokens_per_microbatch": shape["budget"]}
-    algo = {**asdict(AlgoConfig()), "max_length": shape["completion_len"]}
+    from common.config import AlgoConfig
+
+    learner_cfg = LearnerConfig(num_gpus_per_rank=1, zero_stage=zero_stage, num_ranks=1, lr=1e-6,
+                                max_tokens_per_microbatch=shape["budget"])
     started = time.perf_counter()
-    rank = LearnerRank(0, 1, "127.0.0.1", free_port(), model_path, learner_cfg, algo, seed=0)
+    rank = LearnerRank(0, 1, "127.0.0.1", free_port(), model_path, learner_cfg, AlgoConfig(), shape["completion_len"],
+                       seed=0)
     rank.snapshot_reference()  # beta > 0: the frozen reference's forward is part of the step
     out = {"zero_stage": zero_stage, "setup_s": round(time.perf_counter() - started, 1), "dtype": str(rank.dtype),
            "device": torch.cuda.get_device_name(0) if gpu else "cpu",
@@ -142,7 +143,7 @@ def learner_stage(model_path: str, zero_stage: int, vocab: int, shape: dict) -> 
             ("half batch, no budget", shape["prompts"] // 2, 0)][:shape.get("runs", 3) if zero_stage == 3 else 3]
     out["runs"] = []
     for i, (name, prompts, budget) in enumerate(runs):
-        rank.cfg["max_tokens_per_microbatch"] = budget
+        rank.micro.budget = budget  # the token budget of this run's micro-batches
         groups = synthetic_groups(prompts, G, vocab, shape["prompt_len"], shape["completion_len"], seed=i)
         tokens = sum(len(g.prompt_ids) + len(c) for g in groups for c in g.completion_ids)
         run = {"run": name, "rows": prompts * G, "tokens": tokens, "budget": budget}
@@ -169,7 +170,7 @@ def learner_stage(model_path: str, zero_stage: int, vocab: int, shape: dict) -> 
         start = _clock(sync)
         for bucket in spec.buckets():
             tensors = [named[t.name] for t in bucket]
-            with rank._gathered(tensors):
+            with engines.gathered(tensors, rank.cfg.zero_stage):
                 flat = weight_sync.pack(tensors, "bfloat16")
         packs.append(_clock(sync) - start)
     del flat
@@ -183,7 +184,7 @@ def _receiver(port: int, queue) -> None:
     try:
         import torch
 
-        from cluster import weight_sync
+        from common import weight_sync
 
         torch.cuda.set_device(0)
         group = weight_sync.join_group("127.0.0.1", port, 1, 2, 20.0, "nccl")
@@ -199,7 +200,7 @@ def nccl_stage() -> dict:
     """A root and a receiver on the same GPU, as a colocated deployment would try."""
     import torch
 
-    from cluster import weight_sync
+    from common import weight_sync
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
@@ -223,7 +224,7 @@ def nccl_stage() -> dict:
 
 
 def build_model(shape: dict, cache: str) -> str:
-    from cluster.config import ModelConfig
+    from common.config import ModelConfig
     from learner.tiny_model import build_tiny_model
 
     fields = {k: shape[k] for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size",

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from hostile_cases import BUILTIN, CUSTOM, cases  # noqa: E402
+from hostile_cases import BUILTIN, CUSTOM, CUSTOM_SEARCH_PATH, cases  # noqa: E402
 
 
 def main() -> None:
@@ -28,14 +28,15 @@ def main() -> None:
     import ray
 
     from reward.pool import VerifierPool
-    from reward.registry import VerifierSettings
+    from common.config import RewardConfig
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    pools = {"builtin": VerifierPool(VerifierSettings(**BUILTIN, timeout_s=args.timeout_s), 1, 0.5),
-             "custom": VerifierPool(VerifierSettings(**CUSTOM, timeout_s=args.timeout_s), 1, 0.5)}
+    one = dict(timeout_s=args.timeout_s, num_workers=1, num_cpus_per_worker=0.5)
+    pools = {"builtin": VerifierPool(RewardConfig(**BUILTIN, **one)),
+             "custom": VerifierPool(RewardConfig(**CUSTOM, **one), search_path=CUSTOM_SEARCH_PATH)}
     for pool in pools.values():
         pool.ready()
     bound = args.timeout_s + 1.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.config import ModelConfig  # noqa: E402
+from common.config import ModelConfig  # noqa: E402
 
 # name -> (hidden, layers, MLP width); heads of 64 dimensions. Parameter counts are printed by
 # the benchmarks from the built model, not taken from these names.

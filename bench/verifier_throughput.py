@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reward.registry import VerifierSettings, build_verifiers  # noqa: E402
+from common.config import RewardConfig  # noqa: E402
+from reward.registry import build_verifiers  # noqa: E402
 
 
 def math_items(n: int, rng: random.Random):
@@ -65,12 +66,13 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     rows = []
     for name, items in workloads.items():
-        settings = VerifierSettings(verifiers=[name], weights={name: 1.0}, timeout_s=10.0)
+        settings = RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0)
         call = build_verifiers(settings)[name]
         inproc = best_of(args.repeats, lambda: [call(*item) for item in items])
         rates = {}
         for workers in (1, 2):
-            pool = VerifierPool(settings, workers, 0.5)
+            pool = VerifierPool(RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0,
+                                             num_workers=workers, num_cpus_per_worker=0.5))
             pool.ready()
             rates[workers] = len(items) / best_of(args.repeats, lambda: pool.score_items(items))
             pool.shutdown()

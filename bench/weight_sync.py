@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,12 +68,12 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float) -> dict:
 
     cfg = load_config([])
     model = build(size, cache)
-    learner_cfg = {**asdict(cfg.learner), "num_ranks": 1, "zero_stage": 2}
+    learner_cfg = replace(cfg.learner, num_ranks=1, zero_stage=2)
     # beta=0: no frozen reference copy, which the sync never reads (2 GB less at 500M).
-    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens, "beta": 0.0}
-    rollout_cfg = {**asdict(cfg.rollout), "max_model_len": 256, "kv_cache_gib": 1}
-    learner = LearnerGroup(model, learner_cfg, algo, 0)
-    pool = RolloutPool(model, rollout_cfg, 2, 0, 0.5, 0)
+    algo = replace(cfg.algo, beta=0.0)
+    rollout_cfg = replace(cfg.rollout, max_model_len=256, kv_cache_gib=1, num_workers=2, num_cpus_per_worker=0.5)
+    learner = LearnerGroup(model, learner_cfg, algo, cfg.rollout.max_new_tokens, 0)
+    pool = RolloutPool(model, rollout_cfg, 0)
     try:
         channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb, timeout_s=600)
         channel.push(1)  # warm: first broadcasts, first reload
@@ -115,7 +115,7 @@ print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds}))
 
 def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: int) -> dict:
     from cluster.compose import load_config
-    from cluster.train import resolve_model
+    from cluster.preflight import resolve_model
     from rollout.datasets import load_problems
     from rollout.pool import RolloutPool
 
@@ -124,7 +124,7 @@ def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: in
     train = load_problems(cfg.data, 0).train[:num_prompts]
     batch = list(enumerate(train))
     n, seed = cfg.algo.group_size, 12345
-    pool = RolloutPool(model, asdict(cfg.rollout), cfg.rollout.num_workers, 0, 0.5, 0)
+    pool = RolloutPool(model, replace(cfg.rollout, num_cpus_per_worker=0.5), 0)
     try:
         pool.generate(batch[:4], n, greedy=False, seed=seed)  # warm
         system = []
@@ -163,7 +163,7 @@ def main() -> int:
     args = parser.parse_args()
     import ray
 
-    from cluster.train import ACTOR_ENV
+    from cluster.preflight import ACTOR_ENV
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})

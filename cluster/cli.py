@@ -6,7 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
-EXIT_BAD_INPUT = 2
+from cluster.exits import EXIT_BAD_INPUT, fail, guarded
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,94 +46,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"grpo: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
-EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where every thread is
-    signal.signal(signal.SIGINT, _interrupt)
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:  # the run has already let its actors and Ray go (cluster/train.py)
-        print("grpo: interrupted; everything the run started has been stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _interrupt(signum, frame) -> None:
-    """The first Ctrl-C stops the run cleanly (KeyboardInterrupt, then its clean-up); a second
-    one while that clean-up runs exits at once."""
-    import signal
-
-    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
-    raise KeyboardInterrupt
-
-
-def _main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from cluster.compose import ConfigError, compose_config, load_config
+    return guarded(lambda: _run(args))
 
-    if args.command == "export":
-        from cluster.checkpoint import export_checkpoint
 
-        if os.path.exists(args.folder) and os.listdir(args.folder):
-            return _fail(f"'{args.folder}' exists and is not empty; pick a new folder")
+def _run(args) -> int:
+    """The chosen command (errors become statuses in cluster/exits.py)."""
+    if args.command == "train":
+        from cluster.train import command
+
+        return command(args.overrides, print_config=args.cfg)
+    if args.command == "eval":
+        from cluster.eval_job import command
+
+        return command(args.model_dir, args.overrides)
+    if args.command == "verify":
+        from cluster.verify import VerifyInputError, verify
+
         try:
-            print(export_checkpoint(args.checkpoint, args.folder))
-        except ValueError as exc:
-            return _fail(str(exc))
+            verify(args.verifiers.split(","), args.input, args.output, args.overrides)
+        except VerifyInputError as exc:
+            return fail(str(exc))
         return 0
-    if args.command in ("submit", "jobs"):
-        return _jobs(args)
+    if args.command == "export":
+        return _export(args)
+    return _jobs(args)
+
+
+def _export(args) -> int:
+    from cluster.checkpoint import export_checkpoint
+
+    if os.path.exists(args.folder) and os.listdir(args.folder):
+        return fail(f"'{args.folder}' exists and is not empty; pick a new folder")
     try:
-        if args.command == "verify":
-            from cluster.verify import VerifyInputError, verify
-
-            try:
-                verify(args.verifiers.split(","), args.input, args.output, args.overrides)
-            except VerifyInputError as exc:
-                return _fail(str(exc))
-            return 0
-        if getattr(args, "cfg", False):
-            from omegaconf import OmegaConf
-
-            load_config(args.overrides)  # an impossible setting fails here, before printing
-            print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
-            return 0
-        if args.command == "eval":
-            if not os.path.isdir(args.model_dir):
-                return _fail(f"eval: no such model folder '{args.model_dir}'")
-            cfg = load_config(["model=hf", f"model.path={os.path.abspath(args.model_dir)}", *args.overrides])
-        else:
-            cfg = load_config(args.overrides)
-        from cluster.train import train
-        from rollout.datasets import DataError
-
-        from learner.group import LearnerError
-        from cluster.sync_channel import WeightSyncError
-        from rollout.worker import EngineStartError
-
-        try:
-            if args.command == "eval":
-                from cluster.eval_job import evaluate_model
-
-                evaluate_model(cfg)
-                return 0
-            train(cfg)
-        except DataError as exc:
-            return _fail(str(exc))
-        except (LearnerError, EngineStartError, WeightSyncError) as exc:  # not bad input: the run failed, and says why
-            print(f"grpo: error: {exc}", file=sys.stderr)
-            return 1
-    except ConfigError as exc:
-        return _fail(str(exc))
+        print(export_checkpoint(args.checkpoint, args.folder))
+    except ValueError as exc:
+        return fail(str(exc))
     return 0
 
 
@@ -143,19 +92,19 @@ def _jobs(args) -> int:
     import ray
 
     from cluster import jobs
-    from cluster.compose import ConfigError
+    from common.config import ConfigError
 
     try:
         if args.command == "submit":
             return jobs.submit(args.address, args.overrides, follow=not args.no_follow, submission_id=args.job_id)
         return jobs.jobs_command(args.action, args.job_id, args.address, follow=args.follow)
-    except ConfigError as exc:
-        return _fail(str(exc))
+    except ConfigError:
+        raise  # already one line naming the key (cluster/exits.py prints it)
     except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
         # The SDK raises these for an unreachable dashboard, a refused token (AuthenticationError)
         # or an unknown job id; its messages run over several lines.
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        return _fail(f"{args.command}: {first}")
+        return fail(f"{args.command}: {first}")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from cluster.config import Config
+from common.config import Config
 
 EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
 
@@ -77,11 +76,10 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     """The `grpo eval` job: start the rollout and verifier pools, evaluate, write, print."""
     import ray
 
-    from cluster.compose import verifier_settings
     from cluster.evaluation import format_table
     from cluster.placement import Placement
-    from cluster.ray_utils import init_ray
-    from cluster.train import ACTOR_ENV, check_resources, make_run_dir, prepare_prompts, resolve_model, say, show_prompt
+    from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, prepare_prompts, resolve_model, say, show_prompt
+    from common.ray_utils import init_ray
     from reward.pool import VerifierPool
     from rollout.datasets import load_eval_problems
     from rollout.pool import RolloutPool
@@ -98,10 +96,8 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     placement = Placement(cfg, cfg.cluster.placement_timeout_s, roles)
     rollout = verifiers = None
     try:
-        verifiers = VerifierPool(verifier_settings(cfg.reward), cfg.reward.num_workers, cfg.reward.num_cpus_per_worker,
-                                 placement=lambda i: placement.options("reward", i))
-        rollout = RolloutPool(cfg.model.path, asdict(cfg.rollout), cfg.rollout.num_workers, cfg.trainer.seed,
-                              cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
+        verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
+        rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,
                               placement=lambda i: placement.options("rollout", i))
         say(f"evaluating {cfg.model.path} on {len(problems)} prompts"
             + (f", {cfg.eval.n} samples each at temperature {cfg.eval.temperature}" if cfg.eval.n else ""), started)
@@ -119,3 +115,16 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     print(f"\n{format_table(metrics)}\nrun files: {run_dir}/ (eval.jsonl, eval_summary.json, prompt_example.txt)",
           flush=True)
     return summary
+
+
+def command(model_dir: str, overrides: Sequence[str]) -> int:
+    """`grpo eval MODEL_DIR [overrides]`."""
+    import os
+
+    from cluster.compose import load_config
+    from cluster.exits import fail
+
+    if not os.path.isdir(model_dir):
+        return fail(f"eval: no such model folder '{model_dir}'")
+    evaluate_model(load_config(["model=hf", f"model.path={os.path.abspath(model_dir)}", *overrides]))
+    return 0

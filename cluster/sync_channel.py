@@ -10,7 +10,7 @@ from typing import Dict
 
 import ray
 
-from cluster.dispatch import call_when_up
+from common.dispatch import call_when_up
 
 
 class WeightSyncError(RuntimeError):

@@ -94,8 +94,8 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
     """Score `input_path` into `output_path`; prints the per-verifier summary, returns the stats."""
     import ray
 
-    from cluster.compose import load_config, verifier_settings
-    from cluster.ray_utils import init_ray
+    from cluster.compose import load_config
+    from common.ray_utils import init_ray
     from reward.pool import VerifierPool
 
     names = list(dict.fromkeys(v.strip() for v in verifiers if v.strip()))
@@ -110,10 +110,9 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
     out_dir = os.path.dirname(os.path.abspath(output_path))
     if not os.path.isdir(out_dir):
         raise VerifyInputError(f"--output: no such folder '{out_dir}'")
-    settings = verifier_settings(cfg.reward)
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:
-        pool = VerifierPool(settings, cfg.reward.num_workers, cfg.reward.num_cpus_per_worker)
+        pool = VerifierPool(cfg.reward)
         pool.ready()
         start = time.perf_counter()
         outcomes, stats = pool.score_items([_item(row) for row in rows])
@@ -128,5 +127,5 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
                       "timed_out": outcome.timed_out}
             handle.write(json.dumps(scored) + "\n")
     os.replace(tmp, output_path)
-    print(_summary_table(stats, settings.verifiers, seconds), flush=True)
+    print(_summary_table(stats, cfg.reward.verifiers, seconds), flush=True)
     return stats

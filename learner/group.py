@@ -5,7 +5,8 @@ from typing import Dict, List, Sequence
 
 import ray
 
-from cluster.ray_utils import free_port, node_ip
+from common.config import AlgoConfig, LearnerConfig
+from common.ray_utils import free_port, node_ip
 from learner.actor import LearnerRank
 
 
@@ -25,19 +26,20 @@ def _rendezvous_address():
 
 
 class LearnerGroup:
-    def __init__(self, model_path: str, learner_cfg: dict, algo_cfg: dict, seed: int, placement=None):
-        """`placement(i)`: Ray actor options for rank i (its placement group bundle)."""
-        actor = ray.remote(num_cpus=learner_cfg["num_cpus_per_rank"],
-                           num_gpus=learner_cfg["num_gpus_per_rank"])(LearnerRank)
-        world = learner_cfg["num_ranks"]
+    def __init__(self, model_path: str, cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int,
+                 placement=None):
+        """`cfg.num_ranks` ranks; `placement(i)`: Ray actor options for rank i (its placement
+        group bundle); `max_new_tokens`: the rollout's longest completion."""
+        actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(LearnerRank)
+        world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
         # torch.distributed's rendezvous is hosted by rank 0: ask its bundle's node for the
         # address first (a zero-CPU probe placed where rank 0 will be).
         probe = ray.remote(num_cpus=0)(_rendezvous_address).options(**options[0])
         master_addr, master_port = ray.get(probe.remote())
         self.ranks = [
-            actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, learner_cfg,
-                                                  algo_cfg, seed)
+            actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, cfg, algo,
+                                                  max_new_tokens, seed)
             for rank in range(world)
         ]
         self.rank0 = self.ranks[0]

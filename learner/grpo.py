@@ -8,11 +8,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-SCALES = ("group", "batch", "none")
-ADV_ESTIMATORS = ("grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-RATIO_LEVELS = ("token", "sequence")
+from common.config import ADV_ESTIMATORS, ADV_SCALES, KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS
+
+GROUP_BASELINES = tuple(e for e in ADV_ESTIMATORS if e != "gae")  # gae: the critic's (learner/ppo.py)
 
 
 def _check(name: str, value: str, allowed: Tuple[str, ...]) -> None:
@@ -38,8 +36,8 @@ def compute_advantages(rewards: Tensor, group_size: int, scale: str = "group",
     batch's population std of r (+eps), "none" keeps the centred value (Dr. GRPO).
     The std is always that of the rewards (for rloo too), as docs/design.md states.
     """
-    _check("scale", scale, SCALES)
-    _check("advantage estimator", estimator, ADV_ESTIMATORS)
+    _check("scale", scale, ADV_SCALES)
+    _check("advantage estimator", estimator, GROUP_BASELINES)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
     if group_size < 2:
@@ -103,6 +101,34 @@ def truncated_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: T
     return w.detach(), metrics
 
 
+def _check_loss_args(logprobs, ref_logprobs, advantages, mask, beta, kl_estimator, loss_agg, max_length,
+                     ratio_level) -> None:
+    _check("loss_agg", loss_agg, LOSS_AGGS)
+    _check("ratio_level", ratio_level, RATIO_LEVELS)
+    _check("kl estimator", kl_estimator, KL_ESTIMATORS)
+    if loss_agg == "seq-mean-token-sum-norm" and (max_length is None or max_length <= 0):
+        raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs a positive max_length")
+    if beta != 0 and ref_logprobs is None:
+        raise ValueError("beta != 0 needs ref_logprobs")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape) or mask.shape != logprobs.shape:
+        raise ValueError(f"shapes: logprobs {tuple(logprobs.shape)}, mask {tuple(mask.shape)}, "
+                         f"advantages {tuple(advantages.shape)} (want [N, T], [N, T], [N] or [N, T])")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, max_length: Optional[int] = None,
+              num_tokens: Optional[float] = None) -> Tensor:
+    """The loss from per-token losses [N, T] (zero off the mask), by `loss_agg`."""
+    n_tokens = mask.sum(dim=1)                                # [N]
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = per_token.sum(dim=1) / n_tokens.clamp(min=1)
+        return per_seq.sum() / (n_tokens > 0).sum().clamp(min=1)
+    if loss_agg == "token-mean":
+        divisor = mask.sum().clamp(min=1) if num_tokens is None else max(float(num_tokens), 1e-12)
+        return per_token.sum() / divisor
+    # Dr. GRPO: a constant normaliser, so long answers are not down-weighted per token
+    return (per_token.sum(dim=1) / max_length).mean()
+
+
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[Tensor],
                 advantages: Tensor, mask: Tensor, *, clip_low: float = 0.2,
                 clip_high: float = 0.2, beta: float = 0.04, kl_estimator: str = "k3",
@@ -122,16 +148,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
     weights pi_old / pi_sampler for samples drawn by other weights than pi_old (see
     `truncated_is_weights`); the KL term is not weighted.
     """
-    _check("loss_agg", loss_agg, LOSS_AGGS)
-    _check("ratio_level", ratio_level, RATIO_LEVELS)
-    _check("kl estimator", kl_estimator, KL_ESTIMATORS)
-    if loss_agg == "seq-mean-token-sum-norm" and (max_length is None or max_length <= 0):
-        raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs a positive max_length")
-    if beta != 0 and ref_logprobs is None:
-        raise ValueError("beta != 0 needs ref_logprobs")
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape) or mask.shape != logprobs.shape:
-        raise ValueError(f"shapes: logprobs {tuple(logprobs.shape)}, mask {tuple(mask.shape)}, "
-                         f"advantages {tuple(advantages.shape)} (want [N, T], [N, T], [N] or [N, T])")
+    _check_loss_args(logprobs, ref_logprobs, advantages, mask, beta, kl_estimator, loss_agg, max_length,
+                     ratio_level)
     mask = mask.bool()
     zero = torch.zeros_like(logprobs)
     # Padding may hold garbage (-inf, NaN); zero it before exp so neither loss nor grad sees it.
@@ -152,17 +170,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
                         torch.where(mask, ref_logprobs, zero), kl_estimator)
         per_token = per_token + beta * kl
 
-    per_token = torch.where(mask, per_token, zero)
-    n_tokens = mask.sum(dim=1)                                # [N]
-    if loss_agg == "seq-mean-token-mean":
-        per_seq = per_token.sum(dim=1) / n_tokens.clamp(min=1)
-        loss = per_seq.sum() / (n_tokens > 0).sum().clamp(min=1)
-    elif loss_agg == "token-mean":
-        divisor = mask.sum().clamp(min=1) if num_tokens is None else max(float(num_tokens), 1e-12)
-        loss = per_token.sum() / divisor
-    else:  # Dr. GRPO: a constant normaliser, so long answers are not down-weighted per token
-        loss = (per_token.sum(dim=1) / max_length).mean()
-
+    loss = aggregate(torch.where(mask, per_token, zero), mask, loss_agg, max_length, num_tokens)
     with torch.no_grad():
         # The clipped branch is the active minimum only when rho left the band on A's side.
         clipped = ((A > 0) & (rho > 1 + clip_high)) | ((A < 0) & (rho < 1 - clip_low))

@@ -12,12 +12,13 @@ attribute (prompt, completions, answer, fields; rewards, scores, timed_out).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ray
 
-from cluster.dispatch import as_list, chunk_size, dispatch
-from reward.registry import VerifierSettings
+from common.config import RewardConfig
+from common.dispatch import as_list, chunk_size, dispatch
 from reward.scorer import Item, Outcome, Scorer
 
 TASK_RETRIES = 3
@@ -48,9 +49,9 @@ def _add_outcome(stats: Dict[str, float], outcome: Outcome) -> None:
 class VerifierWorker:
     """One pool actor: fetches work, scores it in its Scorer process, returns it."""
 
-    def __init__(self, settings: VerifierSettings):
+    def __init__(self, settings: RewardConfig, search_path: Sequence[str]):
         self.names = list(dict.fromkeys(settings.verifiers))
-        self.scorer = Scorer(settings)
+        self.scorer = Scorer(settings, search_path)
         # Reported once, by the first call after Ray brought this actor back.
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
@@ -101,13 +102,17 @@ class VerifierWorker:
 
 
 class VerifierPool:
-    def __init__(self, settings: VerifierSettings, num_workers: int, num_cpus: float, placement=None):
-        """`placement(i)`: Ray actor options for actor i (its placement group bundle)."""
-        actor = ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=TASK_RETRIES)(VerifierWorker)
+    def __init__(self, settings: RewardConfig, placement=None, search_path: Optional[Sequence[str]] = None):
+        """`settings.num_workers` actors; `placement(i)`: Ray actor options for actor i (its
+        placement group bundle); custom verifiers import from `search_path` first (default: the
+        driver's working directory, where a user's `rewards.py` sits)."""
+        actor = ray.remote(num_cpus=settings.num_cpus_per_worker, max_restarts=-1,
+                           max_task_retries=TASK_RETRIES)(VerifierWorker)
         self.settings = settings
         self.names = list(dict.fromkeys(settings.verifiers))
-        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings)
-                        for i in range(num_workers)]
+        path = [os.getcwd()] if search_path is None else list(search_path)
+        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path)
+                        for i in range(settings.num_workers)]
 
     def ready(self) -> None:
         """Block until every actor has started its scorer process (raises if one cannot)."""

@@ -1,4 +1,4 @@
-"""Verifier names -> scoring calls, built from plain settings (so a child process can build them).
+"""Verifier names -> scoring calls, built from the `reward` config section (a child process builds them).
 
 Every call has one shape, ``call(prompt, completion, answer, fields) -> float``, where `fields`
 holds the row's other columns (`tests` for code, `language`, ...). Built-in verifiers:
@@ -20,16 +20,15 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Mapping, Sequence
 
+from common.config import RewardConfig
 from reward.code import code_score
 from reward.language import language_score, length_penalty, script_of
 from reward.sandbox import SandboxLimits
 from reward.verifiers import format_score, math_score
 
-__all__ = ["BUILTIN", "VerifierSettings", "build_verifiers", "check_settings", "combine",
-           "load_custom"]
+__all__ = ["BUILTIN", "build_verifiers", "check_settings", "combine", "load_custom", "sandbox_limits"]
 
 Call = Callable[[str, str, str, Mapping[str, Any]], float]
 
@@ -40,27 +39,10 @@ SANDBOX_MARGIN_S = 0.25
 sandbox's own timeout (cheap) rather than as a kill of the whole scorer process."""
 
 
-@dataclass(frozen=True)
-class VerifierSettings:
-    verifiers: List[str]
-    weights: Dict[str, float]
-    timeout_s: float = 5.0
-    """Hard wall-clock limit of one verifier call on one completion."""
-    format_pattern: Optional[str] = None
-    language: str = "latin"
-    length_budget: int = 1024
-    custom: Dict[str, str] = field(default_factory=dict)
-    memory_mb: int = 1024
-    max_file_mb: int = 16
-    max_processes: int = 64
-    search_path: List[str] = field(default_factory=list)
-    """Folders tried first when importing custom verifiers (the driver's working directory)."""
-
-    @property
-    def sandbox(self) -> SandboxLimits:
-        return SandboxLimits(timeout_s=max(self.timeout_s - SANDBOX_MARGIN_S, 0.1),
-                             memory_mb=self.memory_mb, max_file_mb=self.max_file_mb,
-                             max_processes=self.max_processes)
+def sandbox_limits(cfg: RewardConfig) -> SandboxLimits:
+    """The code sandbox's limits from the reward section."""
+    return SandboxLimits(timeout_s=max(cfg.timeout_s - SANDBOX_MARGIN_S, 0.1), memory_mb=cfg.sandbox_memory_mb,
+                         max_file_mb=cfg.sandbox_max_file_mb, max_processes=cfg.sandbox_max_processes)
 
 
 def load_custom(path: str, search_path: Sequence[str] = ()) -> Callable[..., Any]:
@@ -91,16 +73,17 @@ def _custom_call(fn: Callable[..., Any]) -> Call:
     return call
 
 
-def build_verifiers(settings: VerifierSettings) -> Dict[str, Call]:
-    """One call per selected verifier name (a name listed twice is built once)."""
-    limits = settings.sandbox
+def build_verifiers(settings: RewardConfig, search_path: Sequence[str] = ()) -> Dict[str, Call]:
+    """One call per selected verifier name (a name listed twice is built once). `search_path`:
+    folders tried first when importing custom verifiers (the driver's working directory)."""
+    limits = sandbox_limits(settings)
     pattern = settings.format_pattern
     calls: Dict[str, Call] = {}
     for name in settings.verifiers:
         if name in calls:
             continue
         if name in settings.custom:
-            calls[name] = _custom_call(load_custom(settings.custom[name], settings.search_path))
+            calls[name] = _custom_call(load_custom(settings.custom[name], search_path))
         elif name == "math":
             calls[name] = lambda p, c, a, f: math_score(c, a, timeout_s=settings.timeout_s,
                                                         raise_timeout=True)
@@ -117,7 +100,7 @@ def build_verifiers(settings: VerifierSettings) -> Dict[str, Call]:
     return calls
 
 
-def check_settings(settings: VerifierSettings) -> None:
+def check_settings(settings: RewardConfig, search_path: Sequence[str] = ()) -> None:
     """Raise ValueError with one line for anything that would fail only once scoring starts."""
     if not settings.verifiers:
         raise ValueError("reward.verifiers is empty: name at least one verifier (e.g. [math,format])")
@@ -133,7 +116,7 @@ def check_settings(settings: VerifierSettings) -> None:
         if name in BUILTIN:
             raise ValueError(f"reward.custom.{name}: '{name}' is a built-in verifier; pick another name")
         try:
-            load_custom(path, settings.search_path)
+            load_custom(path, search_path)
         except ValueError as exc:
             raise ValueError(f"reward.custom.{name}: {exc}") from None
     if settings.timeout_s <= 0:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
-from reward.registry import VerifierSettings, combine
+from common.config import RewardConfig
+from reward.registry import combine
 
 __all__ = ["Item", "Outcome", "Scorer"]
 
@@ -44,8 +45,8 @@ class Outcome:
 
 
 class Scorer:
-    def __init__(self, settings: VerifierSettings):
-        self.settings = settings
+    def __init__(self, settings: RewardConfig, search_path: Sequence[str] = ()):
+        self.settings, self.search_path = settings, list(search_path)
         self.names = list(dict.fromkeys(settings.verifiers))
         self.restarts = 0
         """Child processes started after the first (each after a timeout or a crash)."""
@@ -69,7 +70,7 @@ class Scorer:
         os.close(up_w)
         self._send_conn = Connection(down_w, readable=False)
         self._recv_conn = Connection(up_r, writable=False)
-        self._send_conn.send(("init", self.settings))
+        self._send_conn.send(("init", (self.settings, self.search_path)))
         self._ready = False
 
     def _await_ready(self) -> None:
@@ -182,11 +183,11 @@ def _child_main(down_fd: int, up_fd: int, parent_pid: int) -> None:
         return
     recv_conn = Connection(down_fd, writable=False)
     send_conn = Connection(up_fd, readable=False)
-    _, settings = recv_conn.recv()
+    _, (settings, search_path) = recv_conn.recv()
     try:
         from reward.registry import build_verifiers
 
-        verifiers = build_verifiers(settings)
+        verifiers = build_verifiers(settings, search_path)
         import math_verify  # noqa: F401  (warm: the first math call should not pay the import)
     except BaseException as exc:
         send_conn.send(("failed", f"{type(exc).__name__}: {exc}"))

@@ -1,11 +1,10 @@
 """Verifiers: pure functions of text that score one completion against its gold answer.
 
 Every verifier returns a float in [0, 1] and never raises on odd input (empty, huge,
-malformed or adversarial completions score 0). Nothing here imports the other rooms of
-the repository (cluster/, rollout/, learner/).
+malformed or adversarial completions score 0). Imports only the ground floor (common/).
 
-- ``extract_answer``: the answer a completion commits to (last ``<answer>`` block, else the
-  last balanced ``\\boxed{...}``).
+- ``extract_answer`` (from common/answers.py): the answer a completion commits to (last
+  ``<answer>`` block, else the last balanced ``\\boxed{...}``).
 - ``math_score``: 1.0 iff the extracted answer equals the gold answer mathematically
   (``math_verify``: ``3/4`` == ``0.75``, ``\\frac{1}{2}`` == ``0.5``, ``1,234`` == ``1234``).
 - ``format_score``: 1.0 iff the completion has the R1 layout
@@ -20,8 +19,9 @@ from __future__ import annotations
 import math
 import re
 import threading
-from typing import List, Optional, Tuple
+from typing import Optional
 
+from common.answers import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, extract_answer
 from reward.errors import VerifierTimeout
 
 __all__ = [
@@ -38,69 +38,6 @@ DEFAULT_TIMEOUT_S: float = 5.0
 MAX_ANSWER_CHARS: int = 1000
 """An extracted answer longer than this scores 0 without being parsed: no real answer is that
 long, and sympy on megabytes of text (with no timeout off the main thread) could hang."""
-
-_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-_BOXED = "\\boxed{"
-
-# ---------------------------------------------------------------------------- extraction
-
-
-def _last_answer_block(text: str) -> Optional[str]:
-    """Content of the last complete ``<answer>...</answer>`` (linear: two rfind calls)."""
-    end = text.rfind(_ANSWER_CLOSE)
-    if end < 0:
-        return None
-    start = text.rfind(_ANSWER_OPEN, 0, end)
-    if start < 0:
-        return None
-    return text[start + len(_ANSWER_OPEN):end]
-
-
-_BRACE_TOKENS = re.compile(r"\\boxed\{|\\[{}]|[{}]")
-
-
-def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last balanced ``\\boxed{...}``, in one linear pass.
-
-    "Last" is the box that closes last; an unclosed (truncated) box is skipped, so an earlier
-    complete box is still found. Escaped braces ``\\{`` ``\\}`` do not count as grouping.
-    """
-    if _BOXED not in text:
-        return None
-    stack: List[int] = []  # for each open group: start of its content if a box, else -1
-    best: Optional[Tuple[int, int]] = None
-    for m in _BRACE_TOKENS.finditer(text):
-        tok = m.group()
-        if tok == _BOXED:
-            stack.append(m.end())
-        elif tok == "{":
-            stack.append(-1)
-        elif tok == "}":
-            if not stack:
-                continue  # a stray closing brace: ignore it
-            content_start = stack.pop()
-            if content_start >= 0:
-                best = (content_start, m.start())
-        # escaped braces: not grouping
-    if best is None:
-        return None
-    return text[best[0]:best[1]]
-
-
-def extract_answer(completion: str) -> Optional[str]:
-    """The answer a completion commits to, stripped of surrounding whitespace.
-
-    The content of the last ``<answer>...</answer>`` if there is one, else the content of the
-    last ``\\boxed{...}`` with balanced braces, else None. An empty answer block gives ``""``.
-    """
-    if not completion or not isinstance(completion, str):
-        return None
-    block = _last_answer_block(completion)
-    if block is None:
-        block = _last_boxed(completion)
-    return None if block is None else block.strip()
-
 
 # ---------------------------------------------------------------------------- math
 
@@ -214,21 +151,21 @@ _ANY_TAG = re.compile(r"<\s*/?\s*(?:think|answer)\b", re.IGNORECASE)
 
 def _r1_layout(completion: str) -> bool:
     s = completion.strip()
-    if not (s.startswith(_THINK_OPEN) and s.endswith(_ANSWER_CLOSE)):
+    if not (s.startswith(THINK_OPEN) and s.endswith(ANSWER_CLOSE)):
         return False
-    for tag in (_THINK_OPEN, _THINK_CLOSE, _ANSWER_OPEN, _ANSWER_CLOSE):
+    for tag in (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE):
         if s.count(tag) != 1:
             return False
     if len(_ANY_TAG.findall(s)) != 4:
         return False
-    think_close = s.index(_THINK_CLOSE)
-    answer_open = s.index(_ANSWER_OPEN)
+    think_close = s.index(THINK_CLOSE)
+    answer_open = s.index(ANSWER_OPEN)
     if answer_open < think_close:
         return False
-    between = s[think_close + len(_THINK_CLOSE):answer_open]
+    between = s[think_close + len(THINK_CLOSE):answer_open]
     if between.strip():
         return False  # text between </think> and <answer>
-    answer_body = s[answer_open + len(_ANSWER_OPEN):-len(_ANSWER_CLOSE)]
+    answer_body = s[answer_open + len(ANSWER_OPEN):-len(ANSWER_CLOSE)]
     return bool(answer_body.strip())
 
 

@@ -17,8 +17,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
-if TYPE_CHECKING:  # typing only: the schema module is light, but keep the import optional
-    from cluster.config import DataConfig
+from common.answers import extract_answer
+
+if TYPE_CHECKING:
+    from common.config import DataConfig
 
 __all__ = [
     "Problem",
@@ -181,8 +183,6 @@ def clean_answer(answer: str) -> str:
     """Gold answer text: a GSM8K `...#### 42` keeps only `42`; a MATH-style solution keeps the
     content of its last `\\boxed{...}`; thousands commas go."""
     if "\\boxed{" in answer and "####" not in answer:
-        from reward.verifiers import extract_answer  # the verifier's own reading of a box
-
         boxed = extract_answer(answer)
         if boxed:
             answer = boxed

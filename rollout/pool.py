@@ -6,25 +6,27 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
-from cluster.dispatch import as_list, call_when_up, chunk_size, dispatch
+from common.config import RolloutConfig
+from common.dispatch import as_list, call_when_up, chunk_size, dispatch
 from rollout.datasets import Problem
 from rollout.worker import EngineStartError, GenerationWorker
 
 
 class RolloutPool:
-    def __init__(self, model_path: str, rollout_cfg: dict, num_workers: int, seed: int,
-                 num_cpus: float, num_gpus: float, placement=None):
-        """`placement(i)`: Ray actor options for worker i (its placement group bundle)."""
+    def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int, placement=None):
+        """`rollout_cfg.num_workers` engines, worker i seeded `seed + i`; `placement(i)`: Ray actor
+        options for worker i (its placement group bundle)."""
         # Ray restarts a dead worker (a fresh engine); the pool hands its unfinished prompts out
         # again only after `recover` gave it the current weights (no automatic task retry: a
         # retry on the fresh engine would sample with its initial weights).
-        actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_task_retries=0)(GenerationWorker)
+        actor = ray.remote(num_cpus=rollout_cfg.num_cpus_per_worker, num_gpus=rollout_cfg.num_gpus_per_worker,
+                           max_restarts=-1, max_task_retries=0)(GenerationWorker)
         self.cfg = rollout_cfg
         self.recover = None
         """Set by the driver to the weight-sync channel's `recover` (re-joins a restarted worker
         and pushes the current weights to it); None: a dead worker's error is raised."""
         self.workers = [actor.options(**(placement(i) if placement else {})).remote(model_path, rollout_cfg, seed + i)
-                        for i in range(num_workers)]
+                        for i in range(rollout_cfg.num_workers)]
         try:
             ray.get([w.ready.remote() for w in self.workers])
         except ray.exceptions.RayActorError as error:  # the cause is inside Ray's multi-line message
@@ -36,7 +38,7 @@ class RolloutPool:
     @property
     def sync_ranks(self) -> int:
         """Members of the weight-sync group per worker: one per tensor-parallel rank."""
-        return self.cfg["tensor_parallel_size"]
+        return self.cfg.tensor_parallel_size
 
     def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int, temperature: Optional[float] = None
                  ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
@@ -54,7 +56,7 @@ class RolloutPool:
             return as_list(worker.generate.options(num_returns=len(chunk) + 1).remote(
                 *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk], temperature=temperature))
 
-        size = chunk_size(len(prompts), len(self.workers), self.cfg["chunks_per_worker"])
+        size = chunk_size(len(prompts), len(self.workers), self.cfg.chunks_per_worker)
         return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},
                         on_failure=self._restarted if self.recover else None)
 

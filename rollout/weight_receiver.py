@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Iterator, Tuple
 
-from cluster import weight_sync
+from common import weight_sync
 
 
 class WeightReceiver:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from cluster.prompt_group import PromptGroup
+from common.config import RolloutConfig
+from common.prompt_group import PromptGroup
 from rollout.engine_log import StderrTail, root_cause
 
 RECEIVER_CLASS = "rollout.weight_receiver.WeightReceiver"
@@ -22,14 +23,14 @@ class EngineStartError(RuntimeError):
 class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
-    def __init__(self, model_path: str, rollout_cfg: dict, seed: int):
+    def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int):
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
         # On CPU the KV cache is a fixed size (fractions of a GiB allowed, unlike the legacy
         # VLLM_CPU_KVCACHE_SPACE, which still wins if set); on GPU gpu_memory_utilization rules.
-        kv_bytes = int(rollout_cfg["kv_cache_gib"] * 2**30) if current_platform.is_cpu() else None
-        tp = rollout_cfg["tensor_parallel_size"]
+        kv_bytes = int(rollout_cfg.kv_cache_gib * 2**30) if current_platform.is_cpu() else None
+        tp = rollout_cfg.tensor_parallel_size
         if tp > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM's CPU build binds each TP rank's threads to a NUMA node of its own and refuses
             # more ranks than nodes; a one-node machine splits its CPUs between the ranks instead.
@@ -49,15 +50,15 @@ class GenerationWorker:
         return LLM(
             kv_cache_memory_bytes=kv_bytes,
             model=model_path,
-            dtype=rollout_cfg["dtype"],
-            max_model_len=rollout_cfg["max_model_len"],
-            gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"],
+            dtype=rollout_cfg.dtype,
+            max_model_len=rollout_cfg.max_model_len,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
             tensor_parallel_size=tp,
             # Tensor-parallel ranks as processes inside this actor, on the GPUs Ray gave it (its
             # CUDA_VISIBLE_DEVICES): vLLM's Ray executor would look for GPUs this actor already
             # holds, and refuses bundles of several GPUs. One rank: no executor processes at all.
             distributed_executor_backend="mp" if tp > 1 else None,
-            enforce_eager=rollout_cfg["enforce_eager"],
+            enforce_eager=rollout_cfg.enforce_eager,
             seed=seed,
             worker_extension_cls=RECEIVER_CLASS,
             # Log-probs of the distribution actually sampled from (after temperature, top-k,
@@ -77,13 +78,13 @@ class GenerationWorker:
         c = self.cfg
         return SamplingParams(
             n=n,
-            temperature=0.0 if greedy else c["temperature"] if temperature is None else temperature,
-            top_p=1.0 if greedy else c["top_p"],
-            top_k=0 if greedy else c["top_k"],
-            max_tokens=c["max_new_tokens"],
-            stop=list(c["stop"]) or None,
-            stop_token_ids=list(c["stop_token_ids"]) or None,  # the chat format's end of turn
-            include_stop_str_in_output=c["include_stop_str"],
+            temperature=0.0 if greedy else c.temperature if temperature is None else temperature,
+            top_p=1.0 if greedy else c.top_p,
+            top_k=0 if greedy else c.top_k,
+            max_tokens=c.max_new_tokens,
+            stop=list(c.stop) or None,
+            stop_token_ids=list(c.stop_token_ids) or None,  # the chat format's end of turn
+            include_stop_str_in_output=c.include_stop_str,
             seed=seed,
             logprobs=None if greedy else 0,  # 0: just the sampled token's log-prob
         )

@@ -27,7 +27,7 @@ def model_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def system_cfg(model_cache, tmp_path_factory):
     from cluster.compose import load_config
-    from cluster.train import resolve_model
+    from cluster.preflight import resolve_model
 
     cfg = load_config(small_overrides(model_cache, str(tmp_path_factory.mktemp("runs"))))
     cfg.model.path = resolve_model(cfg)
@@ -38,7 +38,7 @@ def system_cfg(model_cache, tmp_path_factory):
 def ray_session():
     import ray
 
-    from cluster.train import ACTOR_ENV
+    from cluster.preflight import ACTOR_ENV
 
     # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
     # address="local": each xdist worker starts a Ray of its own instead of joining the other's.
@@ -56,7 +56,7 @@ def initial_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def roles(ray_session, system_cfg, initial_checkpoint):
-    from cluster.train import start_roles
+    from cluster.roles import start_roles
 
     roles = start_roles(system_cfg)
     roles.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model

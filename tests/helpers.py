@@ -5,7 +5,7 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -40,7 +40,7 @@ def small_overrides(model_cache: str, tmp_dir: str):
 
 def varied_groups(vocab: int, group_size: int, num_groups: int = 4):
     """Prompt groups with varied lengths, rewards and finish reasons, fixed by a seed."""
-    from cluster.prompt_group import PromptGroup
+    from common.prompt_group import PromptGroup
 
     rng = random.Random(7)
     groups = []
@@ -63,10 +63,9 @@ def warmed_learner(cfg, zero_stage: int):
     from learner.group import LearnerGroup
     from rollout.datasets import load_problems
 
-    learner_cfg = {**asdict(cfg.learner), "zero_stage": zero_stage, "num_ranks": 2,
-                   "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
-    algo = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens}
-    learner = LearnerGroup(cfg.model.path, learner_cfg, algo, 0)
+    learner_cfg = replace(cfg.learner, zero_stage=zero_stage, num_ranks=2,
+                          deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    learner = LearnerGroup(cfg.model.path, learner_cfg, cfg.algo, cfg.rollout.max_new_tokens, 0)
     train_set = load_problems(cfg.data, 0).train
     learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
     learner.warmup(3, 16, 3e-3, 0)

@@ -18,8 +18,8 @@ CUSTOM = dict(verifiers=["format", "hang", "exits", "nan", "crash"],
               weights={"format": 1.0, "hang": 1.0, "exits": 1.0, "nan": 1.0, "crash": 1.0},
               format_pattern=r"<answer>(\d+)+</answer>",  # a user's regex with nested quantifiers
               custom={"hang": "hostile_verifiers:hang_in_c", "exits": "hostile_verifiers:exits",
-                      "nan": "hostile_verifiers:not_a_number", "crash": "hostile_verifiers:crashes"},
-              search_path=[TESTS])
+                      "nan": "hostile_verifiers:not_a_number", "crash": "hostile_verifiers:crashes"})
+CUSTOM_SEARCH_PATH = [TESTS]  # where hostile_verifiers.py is
 
 CONTROL = {
     "builtin": ("<think>1</think><answer>1</answer>", "1", {}),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ray_utils import free_port
+from common.ray_utils import free_port
 from helpers import small_overrides
 
 

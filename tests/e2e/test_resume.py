@@ -100,13 +100,12 @@ def test_export_writes_a_folder_transformers_and_vllm_load_with_the_trained_weig
     exported = model.state_dict()
     assert all(torch.equal(exported[k], final[k]) for k in final)
     # vLLM loads it too, and generates from it
-    from dataclasses import asdict
 
     import ray
 
     from rollout.worker import GenerationWorker
 
-    engine = ray.remote(num_cpus=0.1)(GenerationWorker).remote(str(target), asdict(system_cfg.rollout), 0)
+    engine = ray.remote(num_cpus=0.1)(GenerationWorker).remote(str(target), system_cfg.rollout, 0)
     try:
         group, _stats = ray.get(engine.generate.remote((0, "12+34=", "46", {}), n=1, greedy=True, seeds=[0]))
         assert len(group.completion_ids[0]) > 0

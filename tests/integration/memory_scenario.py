@@ -9,7 +9,6 @@ import json
 import random
 import socket
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -32,7 +31,7 @@ def _reset_peak() -> None:
 def main(cache: str, budget: int, batches) -> None:
     import torch
 
-    from cluster.config import AlgoConfig, LearnerConfig, ModelConfig
+    from common.config import AlgoConfig, LearnerConfig, ModelConfig
     from learner.actor import LearnerRank
     from learner.tiny_model import build_tiny_model
 
@@ -42,8 +41,8 @@ def main(cache: str, budget: int, batches) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    learner_cfg = {**asdict(LearnerConfig()), "num_ranks": 1, "minibatches": 1, "max_tokens_per_microbatch": budget}
-    rank = LearnerRank(0, 1, "127.0.0.1", port, path, learner_cfg, {**asdict(AlgoConfig()), "max_length": SEQ}, 0)
+    learner_cfg = LearnerConfig(num_ranks=1, minibatches=1, max_tokens_per_microbatch=budget)
+    rank = LearnerRank(0, 1, "127.0.0.1", port, path, learner_cfg, AlgoConfig(), SEQ, 0)
     rank.snapshot_reference()  # beta > 0: the reference forward is part of the step
     out = {}
     for rows in batches:  # a batch size given twice is reported as its last step
@@ -56,7 +55,7 @@ def main(cache: str, budget: int, batches) -> None:
 
 
 def _groups(rows: int):
-    from cluster.prompt_group import PromptGroup
+    from common.prompt_group import PromptGroup
 
     rng = random.Random(rows)
     G = 2

@@ -25,7 +25,9 @@ def main(model_cache: str, out: str) -> None:
     from cluster.buffer import RolloutBuffer
     from cluster.compose import load_config
     from cluster.placement import check
-    from cluster.train import ACTOR_ENV, check_resources, grpo_step, resolve_model, start_roles, warm_up
+    from cluster.phases import grpo_step, warm_up
+    from cluster.preflight import ACTOR_ENV, check_resources, resolve_model
+    from cluster.roles import start_roles
     from rollout.datasets import PromptSampler, load_problems
     from tests.helpers import small_overrides
 

@@ -17,7 +17,7 @@ that map can do to the gradient difference the SGD check allows (see `_adam_tole
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -44,10 +44,10 @@ def _one_step(cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 
     """One real GRPO step; returns the update per unit of lr (for SGD: the clipped gradient),
     the metrics, and the weights before the step."""
     lr = SGD_LR if optimizer == "sgd" else ADAM_LR
-    learner_cfg = {**asdict(cfg.learner), "num_ranks": num_ranks, "zero_stage": zero_stage, "minibatches": 1,
-                   "num_cpus_per_rank": 0.1, "max_tokens_per_microbatch": micro_tokens, "optimizer": optimizer}
-    algo_cfg = {**asdict(cfg.algo), "max_length": cfg.rollout.max_new_tokens, **algo}
-    learner = LearnerGroup(cfg.model.path, learner_cfg, algo_cfg, cfg.trainer.seed)
+    learner_cfg = replace(cfg.learner, num_ranks=num_ranks, zero_stage=zero_stage, minibatches=1, num_cpus_per_rank=0.1,
+                          max_tokens_per_microbatch=micro_tokens, optimizer=optimizer)
+    max_length = algo.pop("max_length", cfg.rollout.max_new_tokens)
+    learner = LearnerGroup(cfg.model.path, learner_cfg, replace(cfg.algo, **algo), max_length, cfg.trainer.seed)
     try:
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]  # a collective under ZeRO-3: every rank joins
@@ -242,10 +242,9 @@ def test_known_wrong_implementations_fail(ray_session, system_cfg, batch, refere
 def test_zero3_reference_is_sharded_and_survives_a_checkpoint(ray_session, system_cfg, tmp_path):
     """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy; a checkpoint
     saves the full reference and loading it shards it again."""
-    learner_cfg = {**asdict(system_cfg.learner), "num_ranks": 2, "zero_stage": 3, "num_cpus_per_rank": 0.1,
-                   "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
-    algo_cfg = {**asdict(system_cfg.algo), "max_length": system_cfg.rollout.max_new_tokens}
-    learner = LearnerGroup(system_cfg.model.path, learner_cfg, algo_cfg, 0)
+    learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
+                          deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    learner = LearnerGroup(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens, 0)
     try:
         learner.call("snapshot_reference")
         held = learner.call("reference_numel")

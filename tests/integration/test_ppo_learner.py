@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import asdict
+from dataclasses import replace
 
 import ray
 import torch
@@ -18,10 +18,9 @@ def test_ppo_step_trains_policy_and_critic(ray_session, system_cfg):
 
     vocab = json.loads((Path(system_cfg.model.path) / "config.json").read_text())["vocab_size"]
     groups = [ray.put(g) for g in varied_groups(vocab, 4)]
-    learner_cfg = {**asdict(system_cfg.learner), "num_ranks": 2, "zero_stage": 2, "minibatches": 1,
-                   "num_cpus_per_rank": 0.1}
-    algo = {**asdict(system_cfg.algo), "max_length": 32, "adv_estimator": "gae", "critic_lr": 3e-3}
-    learner = LearnerGroup(system_cfg.model.path, learner_cfg, algo, system_cfg.trainer.seed)
+    learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1)
+    algo = replace(system_cfg.algo, adv_estimator="gae", critic_lr=3e-3)
+    learner = LearnerGroup(system_cfg.model.path, learner_cfg, algo, 32, system_cfg.trainer.seed)
     try:
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]

@@ -12,9 +12,9 @@ import uuid
 import pytest
 import ray
 
-from hostile_cases import BUILTIN, CUSTOM, F_TESTS, GOOD_CODE, cases
+from hostile_cases import BUILTIN, CUSTOM, CUSTOM_SEARCH_PATH, F_TESTS, GOOD_CODE, cases
 from reward.pool import VerifierPool, summarize
-from reward.registry import VerifierSettings
+from common.config import RewardConfig
 
 
 TIMEOUT_S = 2.0
@@ -32,8 +32,9 @@ def listening_port():
 @pytest.fixture(scope="module")
 def pools(ray_session):
     made = {
-        "builtin": VerifierPool(VerifierSettings(**BUILTIN, timeout_s=TIMEOUT_S), 1, 0.5),
-        "custom": VerifierPool(VerifierSettings(**CUSTOM, timeout_s=TIMEOUT_S), 1, 0.5),
+        "builtin": VerifierPool(RewardConfig(**BUILTIN, timeout_s=TIMEOUT_S, num_workers=1, num_cpus_per_worker=0.5)),
+        "custom": VerifierPool(RewardConfig(**CUSTOM, timeout_s=TIMEOUT_S, num_workers=1, num_cpus_per_worker=0.5),
+                               search_path=CUSTOM_SEARCH_PATH),
     }
     for pool in made.values():
         pool.ready()
@@ -100,7 +101,7 @@ def test_timeouts_and_errors_are_counted_per_verifier(pools):
 
 
 def test_pool_scores_prompt_groups_by_reference_once_each(ray_session, pools):
-    from cluster.prompt_group import PromptGroup
+    from common.prompt_group import PromptGroup
 
     def group(i, completions, fields):
         return PromptGroup(index=i, prompt=f"q{i}", answer="1", prompt_ids=[1], completions=completions,
@@ -125,8 +126,9 @@ def test_pool_scores_prompt_groups_by_reference_once_each(ray_session, pools):
 
 def test_actor_killed_mid_batch_is_restarted_and_its_batch_retried(ray_session):
     # Each program sleeps 1 s, so the kill lands while a chunk is being scored.
-    settings = VerifierSettings(verifiers=["code"], weights={"code": 1.0}, timeout_s=10.0)
-    pool = VerifierPool(settings, 2, 0.5)
+    settings = RewardConfig(verifiers=["code"], weights={"code": 1.0}, timeout_s=10.0, num_workers=2,
+                            num_cpus_per_worker=0.5)
+    pool = VerifierPool(settings)
     pool.ready()
     slow = "<answer>```python\nimport time\ntime.sleep(1)\ndef f():\n    return 1\n```</answer>"
     items = [("p", slow, "", {"tests": F_TESTS}) for _ in range(8)]
@@ -147,8 +149,9 @@ def test_actor_killed_mid_batch_is_restarted_and_its_batch_retried(ray_session):
 
 
 def test_scorer_process_killed_from_outside_is_replaced_and_the_call_retried(ray_session):
-    settings = VerifierSettings(verifiers=["code"], weights={"code": 1.0}, timeout_s=10.0)
-    pool = VerifierPool(settings, 1, 0.5)
+    settings = RewardConfig(verifiers=["code"], weights={"code": 1.0}, timeout_s=10.0, num_workers=1,
+                            num_cpus_per_worker=0.5)
+    pool = VerifierPool(settings)
     pool.ready()
     worker = pool.workers[0]
     scorer_pid = ray.get(worker.scorer_pid.remote())

@@ -7,8 +7,9 @@ import torch
 
 from cluster.batches import SyncBatches
 from cluster.buffer import RolloutBuffer
-from cluster.prompt_group import PromptGroup
-from cluster.train import evaluate, grpo_step, warm_up
+from common.prompt_group import PromptGroup
+from cluster.phases import grpo_step, warm_up
+from cluster.roles import evaluate
 from rollout.datasets import PromptSampler, load_problems
 from rollout.pool import as_batch
 

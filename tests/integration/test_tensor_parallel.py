@@ -5,7 +5,7 @@ start says why in one line."""
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict
+from dataclasses import replace
 
 import ray
 
@@ -24,7 +24,7 @@ def test_cpu_thread_binding_splits_the_cpus_between_ranks():
 def test_a_tp2_engine_syncs_exactly(ray_session, system_cfg, tmp_path):
     cfg = copy.deepcopy(system_cfg)
     cfg.rollout.tensor_parallel_size = 2
-    pool = RolloutPool(cfg.model.path, asdict(cfg.rollout), 1, 0, 0.5, 0)
+    pool = RolloutPool(cfg.model.path, replace(cfg.rollout, num_workers=1, num_cpus_per_worker=0.5), 0)
     learner = warmed_learner(cfg, 2)
     try:
         assert pool.sync_ranks == 2
@@ -37,7 +37,7 @@ def test_a_tp2_engine_syncs_exactly(ray_session, system_cfg, tmp_path):
         learner.shutdown()
         pool.shutdown()  # one TP-2 engine at a time: this machine's memory
     assert len(synced[2]) == 2, "both tensor-parallel ranks report their shard"
-    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, asdict(cfg.rollout), 123)
+    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, cfg.rollout, 123)
     try:
         expected = engine_state(fresh)
     finally:

@@ -5,7 +5,7 @@ ZeRO-2 and from ZeRO-3 learners. Real Ray, vLLM (CPU build), DeepSpeed over gloo
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict
+from dataclasses import replace
 
 import pytest
 import ray
@@ -17,7 +17,7 @@ from rollout.worker import GenerationWorker
 
 
 def _cfg(system_cfg, tied: bool):
-    from cluster.train import resolve_model
+    from cluster.preflight import resolve_model
 
     cfg = copy.deepcopy(system_cfg)
     cfg.model.tie_word_embeddings = tied
@@ -29,7 +29,7 @@ def _cfg(system_cfg, tied: bool):
 @pytest.fixture(scope="module")
 def untied_workers(ray_session, system_cfg):
     cfg = _cfg(system_cfg, tied=False)
-    pool = RolloutPool(cfg.model.path, asdict(cfg.rollout), 2, 0, 0.5, 0)
+    pool = RolloutPool(cfg.model.path, replace(cfg.rollout, num_workers=2, num_cpus_per_worker=0.5), 0)
     yield cfg, pool
     pool.shutdown()
 
@@ -57,7 +57,7 @@ def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_worker
         folder = learner.save_pretrained(str(tmp_path / "saved"))
     finally:
         learner.shutdown()
-    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, asdict(cfg.rollout), 123)
+    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, cfg.rollout, 123)
     try:
         expected = engine_state(fresh)
         for worker in pool.workers:

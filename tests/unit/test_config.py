@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.compose import ConfigError, load_config, schema_keys, validate
-from cluster.config import Config
+from common.config import Config
 
 
 def config_error(*overrides: str) -> str:
@@ -191,7 +191,7 @@ def test_half_written_and_incomplete_checkpoints_are_never_picked(tmp_path):
 
 
 def test_any_deepspeed_setting_passes_through_merged_over_the_generated_one():
-    from learner.actor import deep_merge
+    from learner.engines import deep_merge
 
     cfg = load_config(["+learner.deepspeed.zero_optimization.offload_optimizer.device=cpu",
                        "+learner.deepspeed.gradient_clipping=0.5"])

@@ -19,7 +19,7 @@ from rollout.datasets import (
 
 def data_cfg(**kw):
     """The real schema's data section (a file source unless told otherwise)."""
-    from cluster.config import DataConfig
+    from common.config import DataConfig
 
     return DataConfig(**{"source": "jsonl", **kw})
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.config import DataConfig
+from common.config import DataConfig
 from rollout.datasets import DataError, Problem, load_problems
 from rollout.prompts import render, stop_token_ids, use_chat_template
 

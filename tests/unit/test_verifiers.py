@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from reward.registry import VerifierSettings, build_verifiers, check_settings, combine
+from common.config import RewardConfig
+from reward.registry import build_verifiers, check_settings, combine
 from reward.verifiers import extract_answer, format_score, math_score
 
 GOOD = "<think>7+5+0=12,4+8+1=13</think><answer>132</answer>"
@@ -149,7 +150,7 @@ def test_huge_completion_returns():
 
 
 def score_completion(completion, answer, verifiers, weights, **settings):
-    calls = build_verifiers(VerifierSettings(verifiers=verifiers, weights=weights, **settings))
+    calls = build_verifiers(RewardConfig(verifiers=verifiers, weights=weights, **settings))
     scores = {name: call("prompt", completion, answer, {}) for name, call in calls.items()}
     return combine(scores, weights), scores
 
@@ -187,7 +188,7 @@ def test_format_pattern_replaces_the_r1_layout():
 
 def _check(**kw):
     base = dict(verifiers=["math", "format"], weights={"math": 1.0, "format": 0.1})
-    check_settings(VerifierSettings(**{**base, **kw}))
+    check_settings(RewardConfig(**{**base, **kw}))
 
 
 def test_unknown_verifier_missing_weight_and_bad_settings_are_one_line_errors():
@@ -212,21 +213,18 @@ def test_custom_verifier_by_import_path(tmp_path):
         "def nothing(prompts, completions, **kw):\n"
         "    return [None for _ in completions]\n")
     custom = {"brevity": "my_rewards:brevity", "nothing": "my_rewards:nothing"}
-    settings = VerifierSettings(verifiers=["brevity", "nothing"], weights={"brevity": 2.0, "nothing": 1.0},
-                                custom=custom, search_path=[str(tmp_path)])
-    check_settings(settings)
-    calls = build_verifiers(settings)
+    settings = RewardConfig(verifiers=["brevity", "nothing"], weights={"brevity": 2.0, "nothing": 1.0}, custom=custom)
+    check_settings(settings, [str(tmp_path)])
+    calls = build_verifiers(settings, [str(tmp_path)])
     assert calls["brevity"]("p", "short", "a", {"level": "easy"}) == 1.0
     assert calls["brevity"]("p", "a longer completion", "a", {"level": "easy"}) == 0.0
     assert calls["nothing"]("p", "x", "a", {}) == 0.0  # None: not applicable, counts 0
     for path, message in [("my_rewards", "not of the form module:function"),
                           ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
                           ("my_rewards:missing", "'my_rewards' has no function 'missing'")]:
-        bad = VerifierSettings(verifiers=["x"], weights={"x": 1.0}, custom={"x": path},
-                               search_path=[str(tmp_path)])
+        bad = RewardConfig(verifiers=["x"], weights={"x": 1.0}, custom={"x": path})
         with pytest.raises(ValueError, match=f"reward.custom.x: .*{message}"):
-            check_settings(bad)
-    shadow = VerifierSettings(verifiers=["math"], weights={"math": 1.0}, custom={"math": "my_rewards:brevity"},
-                              search_path=[str(tmp_path)])
+            check_settings(bad, [str(tmp_path)])
+    shadow = RewardConfig(verifiers=["math"], weights={"math": 1.0}, custom={"math": "my_rewards:brevity"})
     with pytest.raises(ValueError, match="built-in"):
-        check_settings(shadow)
+        check_settings(shadow, [str(tmp_path)])

@@ -1,17 +1,60 @@
 """The one typed config schema. YAML in `conf/` only overlays it; dotted overrides win.
 
+Each section is a dataclass that the role using it receives as is (no dicts across Ray). A
+setting with a fixed set of values declares them once, with `one_of`; each section checks
+its own values (`check`), and `Config.check` adds the checks that span sections. What needs the
+file system or the verifier registry is checked by the driver (cluster/compose.py).
+
 Light on purpose: imports no torch, Ray or vLLM, so `grpo train --cfg` and config errors are
 instant and happen before any actor starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; its message is one line naming the key to change."""
+
+
+def one_of(options: Sequence[Any], default: Any = None) -> Any:
+    """A field whose value must be one of `options` (the first is the default unless given)."""
+    return field(default=options[0] if default is None else default, metadata={"choices": tuple(options)})
+
+
+def _check_choices(section: Any, name: str) -> None:
+    for f in fields(section):
+        options = f.metadata.get("choices")
+        value = getattr(section, f.name)
+        if options is not None and value not in options:
+            raise ConfigError(f"{name}.{f.name} must be one of {', '.join(map(str, options))} (got '{value}')")
+
+
+def at_least(key: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} must be at least {minimum} (got {value})")
+
+
+class Section:
+    """A config section: `check(name)` raises ConfigError for a value it cannot run with."""
+
+    def check(self, name: str) -> None:
+        _check_choices(self, name)
+
+
+# Allowed values, declared once (the learner's maths imports them from here).
+ADV_SCALES = ("group", "batch", "none")
+ADV_ESTIMATORS = ("grpo", "rloo", "gae")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
-class ModelConfig:
-    name: str = "tiny"
+class ModelConfig(Section):
+    name: str = one_of(("tiny", "hf"))
     """`tiny` builds the built-in character-level Qwen2 model once, in `cache_dir`; `hf` loads `path`."""
     path: Optional[str] = None
     """A Hugging Face folder or hub id. Set for `model=hf`; filled in by the builder for `tiny`."""
@@ -33,10 +76,15 @@ class ModelConfig:
     """Tiny model only: rows of the embedding and output head (0: the tokenizer's size, padded
     to 16). Set it to a real model's (151936 for Qwen2.5) to measure memory at that size."""
 
+    def check(self, name: str = "model") -> None:
+        super().check(name)
+        if self.name == "hf" and not self.path:
+            raise ConfigError("model.path is required with model=hf (a local folder or a hub id)")
+
 
 @dataclass
-class DataConfig:
-    source: str = "arithmetic"
+class DataConfig(Section):
+    source: str = one_of(("arithmetic", "jsonl", "hf"))
     """`arithmetic` (built-in generator), `jsonl` (local JSONL or Parquet file) or `hf` (datasets library)."""
     path: Optional[str] = None
     """jsonl: the file. hf: a local folder saved with `save_to_disk` (optional, instead of `name`)."""
@@ -73,9 +121,26 @@ class DataConfig:
     eval_split: Optional[str] = None
     """hf: an evaluation split of the same dataset (e.g. `test`), instead of held-out rows."""
 
+    def check(self, name: str = "data") -> None:
+        super().check(name)
+        if str(self.chat_template).lower() not in ("auto", "true", "false"):
+            raise ConfigError(f"data.chat_template must be one of auto, true, false (got '{self.chat_template}')")
+        at_least("data.heldout_size", self.heldout_size, 1)
+        if self.eval_path and self.eval_split:
+            raise ConfigError("data.eval_path and data.eval_split: give one evaluation set, not both")
+        if self.eval_split and self.source != "hf":
+            raise ConfigError("data.eval_split is a split of a `datasets` set (data=hf); for a file use data.eval_path")
+        if self.source == "jsonl" and not self.path:
+            raise ConfigError("data.path is required with data=jsonl (a .jsonl or .parquet file)")
+        if self.source == "hf" and not (self.name or self.path):
+            raise ConfigError("data.name (or data.path of a saved dataset) is required with data=hf")
+        if self.source == "arithmetic":
+            at_least("data.min_digits", self.min_digits, 2)
+            at_least("data.max_digits", self.max_digits, self.min_digits)
+
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Section):
     group_size: int = 8
     """G: completions sampled per prompt."""
     beta: float = 0.04
@@ -86,9 +151,9 @@ class AlgoConfig:
     """PPO clip: ratio ceiling is 1 + clip_high (DAPO's clip-higher uses 0.28)."""
     num_iterations: int = 1
     """mu: passes over each batch of rollouts."""
-    adv_scale: str = "group"
+    adv_scale: str = one_of(ADV_SCALES)
     """Advantage scaling: `group` std, `batch` std, or `none` (Dr. GRPO)."""
-    adv_estimator: str = "grpo"
+    adv_estimator: str = one_of(ADV_ESTIMATORS)
     """`grpo` (group-mean baseline), `rloo` (leave-one-out baseline), or `gae`: PPO with a
     critic (a value model of the policy's architecture, its own DeepSpeed engine), the baseline
     that GRPO removes."""
@@ -100,13 +165,13 @@ class AlgoConfig:
     """gae: the value model's learning rate."""
     value_clip: float = 0.2
     """gae: how far a value may move from its old estimate before the value loss stops pulling."""
-    kl_estimator: str = "k3"
+    kl_estimator: str = one_of(KL_ESTIMATORS, "k3")
     """KL estimator per token: k1, k2 or k3."""
-    loss_agg: str = "seq-mean-token-mean"
+    loss_agg: str = one_of(LOSS_AGGS)
     """`seq-mean-token-mean` (GRPO), `token-mean` (DAPO), `seq-mean-token-sum-norm` (Dr. GRPO)."""
     adv_eps: float = 1e-4
     """Added to the std before dividing."""
-    ratio_level: str = "token"
+    ratio_level: str = one_of(RATIO_LEVELS)
     """Importance ratio per `token` (GRPO) or per `sequence` (GSPO: length-normalised)."""
     mask_truncated: bool = False
     """DAPO: leave completions cut at max_new_tokens out of the loss."""
@@ -128,9 +193,19 @@ class AlgoConfig:
     """trainer.mode=async: a group made by weights more than this many versions older than the
     learner's is dropped (counted in `dropped_stale`) and its prompt generated again."""
 
+    def check(self, name: str = "algo") -> None:
+        super().check(name)
+        at_least("algo.group_size", self.group_size, 2)
+        at_least("algo.num_iterations", self.num_iterations, 1)
+        for key in ("beta", "clip_low", "clip_high", "overlong_buffer", "max_staleness"):
+            at_least(f"algo.{key}", getattr(self, key), 0)
+        at_least("algo.max_sampling_rounds", self.max_sampling_rounds, 1)
+        if self.is_cap != 0 and self.is_cap < 1:
+            raise ConfigError(f"algo.is_cap must be 0 (off) or at least 1 (got {self.is_cap})")
+
 
 @dataclass
-class WarmupConfig:
+class WarmupConfig(Section):
     steps: int = 270
     """Supervised warm-up steps on the learner before GRPO (0 skips it), stopped early on purpose:
     seed 0 of the built-in task gives 61% held-out accuracy at 270 steps (23% at 250)."""
@@ -147,9 +222,14 @@ class WarmupConfig:
     lr: float = 3e-3
     """Warm-up learning rate."""
 
+    def check(self, name: str = "warmup") -> None:
+        super().check(name)
+        at_least("warmup.check_every", self.check_every, 1)
+        at_least("warmup.probe_size", self.probe_size, 1)
+
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     num_workers: int = 2
     """vLLM generation actors."""
     num_cpus_per_worker: float = 0.5
@@ -159,7 +239,7 @@ class RolloutConfig:
     engine's TP ranks run as processes inside the actor, on the actor's GPUs)."""
     tensor_parallel_size: int = 1
     """GPUs one vLLM engine is split over; each TP rank joins the weight-sync group."""
-    dtype: str = "auto"
+    dtype: str = one_of(("auto", "float32", "bfloat16", "float16"))
     """dtype inside vLLM, and on the wire of the weight sync. `auto`: float32 on CPUs (faster
     than bfloat16 on vLLM's CPU build for the tiny model), bfloat16 when the workers have GPUs."""
     enforce_eager: Optional[bool] = None
@@ -189,21 +269,44 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.85
     """GPU only: share of its GPU the engine may take (each engine has GPUs of its own)."""
 
+    def check(self, name: str = "rollout") -> None:
+        super().check(name)
+        for key in ("num_workers", "max_new_tokens", "chunks_per_worker", "tensor_parallel_size"):
+            at_least(f"rollout.{key}", getattr(self, key), 1)
+        at_least("rollout.top_k", self.top_k, 0)
+        gpus, tp = self.num_gpus_per_worker, self.tensor_parallel_size
+        if gpus and gpus != tp:
+            raise ConfigError(f"rollout.num_gpus_per_worker={gpus:g} with rollout.tensor_parallel_size={tp}: an "
+                              "engine takes one whole GPU per tensor-parallel rank (its ranks run inside the "
+                              "actor, on its GPUs); make them equal")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature must be above 0 for sampling (got {self.temperature}); "
+                              "evaluation is greedy anyway")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1] (got {self.top_p})")
+        if self.kv_cache_gib <= 0:
+            raise ConfigError(f"rollout.kv_cache_gib must be above 0 (got {self.kv_cache_gib})")
+        if any(not s for s in self.stop):
+            raise ConfigError("rollout.stop: an empty stop string would end every completion at once")
+        if self.max_new_tokens >= self.max_model_len:
+            raise ConfigError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for the prompt "
+                              f"in rollout.max_model_len={self.max_model_len}")
+
 
 @dataclass
-class LearnerConfig:
+class LearnerConfig(Section):
     num_ranks: int = 2
     """Data-parallel DeepSpeed ranks, one Ray actor each."""
-    zero_stage: int = 2
+    zero_stage: int = one_of((0, 1, 2, 3), 2)
     """DeepSpeed ZeRO stage (0-3)."""
     lr: float = 7e-4
     """GRPO learning rate (the default suits the built-in model; how it was chosen: the README's
     "The built-in job")."""
-    lr_schedule: str = "linear"
+    lr_schedule: str = one_of(("linear", "constant"))
     """`linear` decays lr to lr * min_lr_ratio at the last GRPO step; `constant` keeps it."""
     min_lr_ratio: float = 0.1
     """Where the linear schedule ends, as a fraction of lr."""
-    optimizer: str = "adamw"
+    optimizer: str = one_of(("adamw", "sgd"))
     """`adamw`, or `sgd` (plain, no momentum: the update is linear in the gradient, which is
     what the learner-equivalence tests compare; rarely what a run wants)."""
     weight_decay: float = 0.0
@@ -220,15 +323,23 @@ class LearnerConfig:
     """Ray CPUs reserved per learner rank."""
     num_gpus_per_rank: float = 0.0
     """Ray GPUs per learner rank (1 on GPU clusters)."""
-    backend: str = "auto"
+    backend: str = one_of(("auto", "gloo", "nccl"))
     """torch.distributed backend: `auto` is nccl with GPUs, gloo without."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Any DeepSpeed setting, merged over the generated config (e.g.
     +learner.deepspeed.zero_optimization.offload_optimizer.device=cpu for ZeRO-Offload)."""
 
+    def check(self, name: str = "learner") -> None:
+        super().check(name)
+        at_least("learner.num_ranks", self.num_ranks, 1)
+        at_least("learner.minibatches", self.minibatches, 1)
+        if self.num_gpus_per_rank not in (0, 1):
+            raise ConfigError(f"learner.num_gpus_per_rank={self.num_gpus_per_rank:g}: a learner rank uses one "
+                              "whole GPU (1) or none (0); NCCL refuses two ranks on one GPU")
+
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Section):
     num_workers: int = 2
     """Verifier pool actors."""
     num_cpus_per_worker: float = 0.25
@@ -255,9 +366,13 @@ class RewardConfig:
     sandbox_max_processes: int = 64
     """code: processes the sandbox may run at once."""
 
+    def check(self, name: str = "reward") -> None:
+        super().check(name)
+        at_least("reward.num_workers", self.num_workers, 1)
+
 
 @dataclass
-class SyncConfig:
+class SyncConfig(Section):
     bucket_mb: int = 64
     """Size of the flat buckets that learner rank 0 broadcasts to the generation actors."""
     timeout_s: float = 300.0
@@ -265,10 +380,10 @@ class SyncConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     max_steps: int = 100
     """GRPO steps (one batch of rollouts, learner.minibatches updates, one weight push each)."""
-    mode: str = "sync"
+    mode: str = one_of(("sync", "async"))
     """`sync`: generate, score, train, push, in turn (on-policy). `async`: the next batch is
     generated and scored while the learner trains on this one (off-policy by up to
     algo.max_staleness versions, corrected by algo.is_cap)."""
@@ -295,9 +410,19 @@ class TrainerConfig:
     """`auto`: continue trainer.run_name from its newest complete checkpoint (start fresh if it
     has none); a checkpoint folder: continue from that one; None: a fresh run."""
 
+    def check(self, name: str = "trainer") -> None:
+        super().check(name)
+        at_least("trainer.async_lookahead", self.async_lookahead, 1)
+        at_least("trainer.max_steps", self.max_steps, 0)
+        at_least("trainer.prompts_per_step", self.prompts_per_step, 1)
+        at_least("trainer.save_every", self.save_every, 0)
+        at_least("trainer.keep_checkpoints", self.keep_checkpoints, 0)
+        if self.resume == "auto" and not self.run_name:
+            raise ConfigError("trainer.resume=auto needs trainer.run_name: the name of the run to continue")
+
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     n: int = 0
     """Samples per evaluation prompt at eval.temperature, for pass@1 (mean over samples), pass@k
     and maj@k; 0: greedy accuracy only (what heldout_accuracy always reports)."""
@@ -306,9 +431,18 @@ class EvalConfig:
     k: List[int] = field(default_factory=list)
     """The k of pass@k and maj@k (each at most eval.n); empty: 1 and eval.n."""
 
+    def check(self, name: str = "eval") -> None:
+        super().check(name)
+        at_least("eval.n", self.n, 0)
+        for k in self.k:
+            if not 1 <= k <= max(self.n, 1):
+                raise ConfigError(f"eval.k={list(self.k)}: each k must be between 1 and eval.n={self.n}")
+        if self.n and self.temperature <= 0:
+            raise ConfigError(f"eval.temperature must be > 0 for sampled evaluation (got {self.temperature})")
+
 
 @dataclass
-class RoleNodes:
+class RoleNodes(Section):
     rollout: Optional[str] = None
     """Custom node resource the generation actors need (e.g. `gen`: only nodes started with
     --resources='{"gen": 1}'); None: any node."""
@@ -319,17 +453,17 @@ class RoleNodes:
 
 
 @dataclass
-class RoleStrategy:
-    rollout: str = "PACK"
+class RoleStrategy(Section):
+    rollout: str = one_of(PLACEMENT_STRATEGIES)
     """Placement group strategy of the generation actors: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD."""
-    learner: str = "PACK"
+    learner: str = one_of(PLACEMENT_STRATEGIES)
     """Placement group strategy of the learner ranks (PACK keeps NCCL traffic inside a node)."""
-    reward: str = "SPREAD"
+    reward: str = one_of(PLACEMENT_STRATEGIES, "SPREAD")
     """Placement group strategy of the verifier actors."""
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     nodes: RoleNodes = field(default_factory=RoleNodes)
     """Which nodes each role runs on (roles naming the same resource share nodes)."""
     strategy: RoleStrategy = field(default_factory=RoleStrategy)
@@ -337,9 +471,13 @@ class ClusterConfig:
     placement_timeout_s: float = 300.0
     """Placement groups not placed within this fail the run with a message (never a silent wait)."""
 
+    def check(self, name: str = "cluster") -> None:
+        super().check(name)
+        self.strategy.check(f"{name}.strategy")
+
 
 @dataclass
-class RayConfig:
+class RayConfig(Section):
     address: Optional[str] = None
     """Ray cluster to join; None starts a local Ray (or joins RAY_ADDRESS when set)."""
     num_cpus: Optional[int] = None
@@ -350,12 +488,12 @@ class RayConfig:
 
 
 @dataclass
-class LoggerConfig:
-    backend: str = "wandb"
+class LoggerConfig(Section):
+    backend: str = one_of(("wandb", "none"))
     """`wandb` or `none`; metrics.jsonl is always written."""
     project: str = "grpo"
     """wandb project."""
-    mode: str = "offline"
+    mode: str = one_of(("offline", "online", "disabled"))
     """wandb mode unless WANDB_MODE is set: offline, online or disabled."""
 
 
@@ -374,3 +512,26 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def check(self) -> None:
+        """Every section's own checks, then those that span sections."""
+        for f in fields(self):
+            getattr(self, f.name).check(f.name)
+        algo, rollout, learner, trainer = self.algo, self.rollout, self.learner, self.trainer
+        if algo.adv_estimator == "gae" and learner.max_tokens_per_microbatch:
+            raise ConfigError("learner.max_tokens_per_microbatch is not supported with algo.adv_estimator=gae "
+                              "yet: set it to 0")
+        if algo.overlong_buffer > rollout.max_new_tokens:
+            raise ConfigError(f"algo.overlong_buffer={algo.overlong_buffer} exceeds "
+                              f"rollout.max_new_tokens={rollout.max_new_tokens}")
+        # Groups are the unit that learner ranks split: advantages need a whole group on one rank.
+        groups_per_rank, rest = divmod(trainer.prompts_per_step, learner.num_ranks)
+        if rest:
+            raise ConfigError(f"trainer.prompts_per_step={trainer.prompts_per_step} cannot be split over "
+                              f"learner.num_ranks={learner.num_ranks}: make it a multiple of the ranks")
+        if groups_per_rank * algo.group_size < learner.minibatches:
+            raise ConfigError(f"learner.minibatches={learner.minibatches} exceeds the "
+                              f"{groups_per_rank * algo.group_size} completions each learner rank gets per step")
+        if self.warmup.steps and self.warmup.batch_size % learner.num_ranks:
+            raise ConfigError(f"warmup.batch_size={self.warmup.batch_size} cannot be split over "
+                              f"learner.num_ranks={learner.num_ranks}")

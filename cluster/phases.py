@@ -1,0 +1,152 @@
+"""The phases of a training run, each one named call on the roles: the warm-up, a GRPO step, a
+resume from a checkpoint. cluster/train.py calls them in order.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from cluster.preflight import say
+from cluster.roles import Roles, evaluate
+from common.config import Config
+
+
+def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] = None) -> int:
+    """Supervised warm-up on the learner, stopped early on purpose; returns the policy version.
+    Targets end with `end_ids` (the chat format's end of turn; None: the tokenizer's EOS).
+
+    Every `check_every` steps the weights go to the rollout workers, which measure greedy
+    accuracy on a probe of training problems; the warm-up ends once it reaches
+    `target_accuracy`, leaving GRPO an ability to sharpen rather than one to create.
+    """
+    import ray
+
+    w = cfg.warmup
+    examples = [(p.prompt, p.solution) for p in train_set if p.solution]
+    version = 0
+    if w.steps and examples:
+        roles.learner.call("load_warmup", ray.put(examples), end_ids)
+        probe = train_set[: w.probe_size]
+        done, accuracy = 0, None
+        while done < w.steps and (accuracy is None or accuracy < w.target_accuracy):
+            chunk = min(w.check_every if w.target_accuracy > 0 else w.steps, w.steps - done)
+            losses = roles.learner.warmup(chunk, w.batch_size, w.lr, cfg.trainer.seed + done)
+            done += chunk
+            version += 1
+            roles.channel.push(version)
+            if w.target_accuracy > 0:
+                accuracy = evaluate(roles, probe)
+        probe_note = f", probe accuracy {accuracy:.1%}" if accuracy is not None else ""
+        say(f"warm-up: {done} supervised steps, loss {losses[-1]:.3f}{probe_note}")
+    roles.learner.call("snapshot_reference")  # pi_ref is the model GRPO starts from
+    return version
+
+
+def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Config) -> Dict[str, float]:
+    """One GRPO iteration: take a scored batch (made now, or ahead in async mode), drop what is
+    too stale, train, push the new weights."""
+    from cluster.batches import Timer, drop_stale
+    from learner.lr_schedule import lr_at
+    from reward.pool import summarize
+
+    started, timer = time.perf_counter(), Timer()
+    lr = lr_at(step, cfg.trainer.max_steps, cfg.learner.lr, cfg.learner.lr_schedule, cfg.learner.min_lr_ratio)
+    with timer("time_wait_rollout"):
+        batch = batches.next(step)
+        staleness = drop_stale(batch, version, cfg.algo.max_staleness, step, roles, batches.sampler, cfg)
+    buffer.put(batch.refs, version)
+    occupancy = {"buffer_groups": float(len(buffer)), "batches_ahead": float(batches.ahead)}
+    with roles.channel.lock:  # a restarted worker re-joining waits for this push, not half of it
+        with timer("time_train"):
+            learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
+        with timer("time_weight_sync"):
+            sync_metrics = roles.channel.push(version + 1)
+    rewards = summarize(batch.reward_stats, cfg.reward.verifiers)
+    rewards["actor_restarts"] += batch.metrics["rollout_actor_restarts"]  # verifier and generation actors
+    step_seconds = time.perf_counter() - started
+    generate_seconds = batch.times.get("time_generate", 0.0)
+    return {
+        "step": step,
+        "policy_version": version + 1,
+        **rewards,
+        "accuracy": rewards.get("score/math", rewards[f"score/{cfg.reward.verifiers[0]}"]),
+        **batch.metrics,
+        "generate_tokens_per_s": batch.metrics["completion_tokens"] / max(generate_seconds, 1e-9),
+        "tokens_per_s": batch.metrics["completion_tokens"] / step_seconds,
+        **staleness,
+        **occupancy,
+        **learner_metrics,
+        **sync_metrics,
+        **batch.times,
+        **timer.times,
+        "time_step": step_seconds,
+    }
+
+
+def make_batches(cfg: Config, roles: Roles, sampler, first_step: int):
+    from cluster.batches import AsyncBatches, SyncBatches
+
+    if cfg.trainer.mode == "async":
+        return AsyncBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead)
+    return SyncBatches(roles, sampler, cfg)
+
+
+def find_resume_point(cfg: Config) -> Optional[Path]:
+    """The checkpoint `trainer.resume` names (None: start fresh)."""
+    from cluster.checkpoint import latest_checkpoint
+
+    if cfg.trainer.resume is None:
+        return None
+    if cfg.trainer.resume != "auto":
+        return Path(cfg.trainer.resume).expanduser()
+    run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        say(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting from the beginning")
+    return found
+
+
+def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
+    """Learner state, prompt position and RNGs from `checkpoint`; the generation workers get
+    the restored weights (and its policy version) before they generate anything."""
+    from cluster.checkpoint import load_trainer_state, restore_driver_rng
+
+    state = load_trainer_state(checkpoint)
+    roles.learner.call("load_checkpoint", str(checkpoint))
+    sampler.load_state_dict(state["sampler"])
+    restore_driver_rng(state["rng"])
+    roles.channel.push(state["policy_version"])
+    return state
+
+
+def resume_hint(cfg: Config, run_dir: Path) -> str:
+    from cluster.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        return "No checkpoint was written (set trainer.save_every to have one next time)."
+    return (f"Its last checkpoint is {last}: continue with the same overrides plus "
+            f"trainer.run_name={cfg.trainer.run_name} trainer.resume=auto")
+
+
+def injected_fault(step: int, roles: Roles) -> None:
+    """Fault injection for the recovery tests, once step k is logged and checkpointed:
+    GRPO_FAULT=driver@k kills this process (SIGKILL, as a lost head node would);
+    GRPO_FAULT=learner@k kills learner rank 1 (the next update then fails)."""
+    fault = os.environ.get("GRPO_FAULT", "")
+    if not fault.endswith(f"@{step}"):
+        return
+    if fault.startswith("driver@"):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.startswith("learner@"):
+        import ray
+
+        ray.kill(roles.learner.ranks[-1])
+
+
+def algorithm(cfg: Config) -> str:
+    return "PPO" if cfg.algo.adv_estimator == "gae" else "GRPO"

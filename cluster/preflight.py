@@ -1,0 +1,120 @@
+"""Before and around the actors: the model folder, the prompts as the model sees them, the run
+folder, and every check that can fail a run before (or as) Ray starts, each a ConfigError with
+one line. Shared by `grpo train` and `grpo eval`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+from common.config import Config, ConfigError
+
+# Quiet, reproducible actors: the progress bar is the run's voice, errors still propagate.
+ACTOR_ENV = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def say(message: str, since: Optional[float] = None) -> None:
+    stamp = f"[{time.time() - since:6.1f}s] " if since is not None else ""
+    print(f"{stamp}{message}", flush=True)
+
+
+def resolve_model(cfg: Config) -> str:
+    """The model folder (or hub id) that learner and rollout load; builds the tiny model once."""
+    path = cfg.model.path
+    if path:
+        local = os.path.expanduser(path)
+        looks_local = local.startswith((".", "/", "~")) or os.path.exists(local)
+        if looks_local and not os.path.isdir(local):
+            raise ConfigError(f"model.path: no such folder '{path}'")
+        if looks_local:
+            check_model_length(cfg, local)
+        return local if looks_local else path
+    from learner.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed)
+    check_model_length(cfg, folder)
+    return folder
+
+
+def prepare_prompts(cfg: Config, heldout, train_set):
+    """Every row rendered into the text the model sees (prompt template, system prompt, chat
+    template); the stops that end a turn join rollout.stop_token_ids."""
+    from rollout.prompts import prepare
+
+    name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
+    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout})
+    cfg.rollout.stop_token_ids = sorted(set(cfg.rollout.stop_token_ids) | set(info["stop_token_ids"]))
+    tokens, where = info["longest_prompt"]
+    if tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:
+        raise ConfigError(f"the longest prompt ({where}, {tokens} tokens as rendered) plus rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} exceeds rollout.max_model_len={cfg.rollout.max_model_len}")
+    return rendered["eval"], rendered["train"], info
+
+
+def show_prompt(run_dir: Path, prompts: Dict[str, object], started: float) -> None:
+    """What the model sees for the first training row, printed and saved as prompt_example.txt."""
+    how = "chat template applied" if prompts["chat_template"] else "no chat template"
+    stops = ", ".join(prompts["stop_tokens"])
+    (run_dir / "prompt_example.txt").write_text(prompts["first_prompt"])
+    text = prompts["first_prompt"]
+    shown = text if len(text) <= 600 else text[:600] + f"... ({len(text)} characters)"
+    say(f"the first training prompt as the model sees it ({how}; a completion stops at {stops}):\n"
+        f"{shown}\n---", started)
+
+
+def check_inputs(cfg: Config, train_set) -> None:
+    """What the schema cannot know: the size of the data."""
+    if len(train_set) < cfg.trainer.prompts_per_step:
+        raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} exceeds the "
+                          f"{len(train_set)} training prompts")
+    with_solution = sum(1 for p in train_set if p.solution)
+    if cfg.warmup.steps and with_solution and with_solution < cfg.warmup.batch_size:
+        raise ConfigError(f"warmup.batch_size={cfg.warmup.batch_size} exceeds the {with_solution} "
+                          "training rows with a solution")
+
+
+def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None:
+    """Every role's CPUs and GPUs, on the nodes cluster.nodes names, against what the
+    connected cluster has (a placement group it cannot hold would wait forever)."""
+    import ray
+
+    from cluster.compose import check_gpu_layout
+    from cluster.placement import check
+
+    check_gpu_layout(cfg, ray.cluster_resources().get("GPU", 0.0))
+    missing = check(cfg, ray.nodes(), roles)
+    if missing:
+        raise ConfigError(
+            f"the actors need {'; '.join(missing)}: lower rollout/learner/reward num_workers, num_ranks "
+            "or their num_cpus_*/num_gpus_*, add nodes (or raise ray.num_cpus locally)")
+
+
+def check_model_length(cfg: Config, folder: str) -> None:
+    config_file = Path(folder) / "config.json"
+    if not config_file.exists():
+        raise ConfigError(f"model.path: '{folder}' has no config.json (not a Hugging Face model folder)")
+    limit = json.loads(config_file.read_text()).get("max_position_embeddings")
+    if limit and cfg.rollout.max_model_len > limit:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                          f"max_position_embeddings={limit}")
+
+
+def make_run_dir(cfg: Config) -> Path:
+    if not cfg.trainer.run_name:
+        cfg.trainer.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
+    if (run_dir / "metrics.jsonl").exists() and cfg.trainer.resume is None:
+        # Never overwrite what a finished or running job produced.
+        raise ConfigError(f"trainer.run_name: '{run_dir}' already holds a run; pick another name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from omegaconf import OmegaConf
+
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return run_dir

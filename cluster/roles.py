@@ -1,0 +1,59 @@
+"""The three roles and the channel between them, started together and stopped together."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import Config
+
+
+@dataclass
+class Roles:
+    rollout: object
+    verifiers: object
+    learner: object
+    channel: object
+    placement: object = None
+
+    def shutdown(self) -> None:
+        """Every role's actors and the placement groups, whichever of them still answer."""
+        for part in (self.rollout, self.verifiers, self.learner):
+            try:
+                part.shutdown()
+            except Exception:  # a dead actor or a lost node: the others still go
+                pass
+        if self.placement is not None:
+            try:
+                self.placement.remove()
+            except Exception:
+                pass
+
+
+def start_roles(cfg: Config) -> Roles:
+    """Each role in its own placement group, on the nodes `cluster.nodes` names; each actor gets
+    its config section as the typed dataclass."""
+    from cluster.placement import Placement
+    from cluster.sync_channel import WeightSyncChannel
+    from learner.group import LearnerGroup
+    from reward.pool import VerifierPool
+    from rollout.pool import RolloutPool
+
+    placement = Placement(cfg, cfg.cluster.placement_timeout_s)
+    # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
+    learner = LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, cfg.trainer.seed,
+                           placement=lambda i: placement.options("learner", i))
+    verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
+    rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,
+                          placement=lambda i: placement.options("rollout", i))
+    channel = WeightSyncChannel(learner, rollout, cfg.rollout.dtype, cfg.sync.bucket_mb, cfg.sync.timeout_s)
+    rollout.recover = channel.recover
+    return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel, placement=placement)
+
+
+def evaluate(roles: Roles, problems) -> float:
+    """Greedy accuracy on `problems` through the vLLM actors and the verifier pool."""
+    from rollout.pool import as_batch
+
+    refs, _ = roles.rollout.generate(as_batch(problems), 1, greedy=True, seed=0)
+    _, stats = roles.verifiers.score(refs)
+    key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
+    return stats[key] / max(stats["completions"], 1)

@@ -1,0 +1,84 @@
+"""One training run as an object: what it holds while it runs, and one `close()` that lets all of
+it go on every way out (the last step, an error, Ctrl-C)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+from cluster.buffer import RolloutBuffer
+from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, say, show_prompt
+from cluster.roles import Roles, start_roles
+from common.config import Config
+
+
+@dataclass
+class Run:
+    cfg: Config
+    started: float = field(default_factory=time.time)
+    run_dir: Optional[Path] = None
+    roles: Optional[Roles] = None
+    batches: object = None
+    """The batch source (cluster/batches.py); in async mode it owns a thread."""
+    buffer: RolloutBuffer = field(default_factory=RolloutBuffer)
+    logger: object = None
+    """The MetricsLogger (metrics.jsonl, wandb, the progress bar)."""
+    version: int = 0
+    """The policy version the generation workers hold."""
+    sampler: object = None
+    """Which training prompts come next (rollout/datasets.py's PromptSampler)."""
+    accuracy_before: float = 0.0
+    """Held-out greedy accuracy GRPO started from."""
+
+    def say(self, message: str) -> None:
+        say(message, self.started)
+
+    def start(self, prompts: Dict[str, object]) -> None:
+        """Ray, the run folder, the actors of every role."""
+        from common.ray_utils import init_ray
+
+        cfg = self.cfg
+        dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
+        self.say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a "
+                 "cluster with RAY_ADDRESS or ray.address to get one)")
+        check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
+        self.run_dir = make_run_dir(cfg)
+        show_prompt(self.run_dir, prompts, self.started)
+        self.roles = start_roles(cfg)
+        self.say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
+                 f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks")
+
+    def open_logger(self, first_step: int) -> None:
+        from dataclasses import asdict
+
+        from cluster.metrics import MetricsLogger
+
+        cfg = self.cfg
+        self.logger = MetricsLogger(self.run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger,
+                                    cfg.trainer.progress, resume_step=first_step - 1)
+
+    def close_logger(self) -> Optional[str]:
+        """Finish the logger; returns the wandb run's folder (None without wandb)."""
+        logger, self.logger = self.logger, None
+        return logger.close() if logger is not None else None
+
+    def stop_batches(self) -> None:
+        batches, self.batches = self.batches, None
+        if batches is not None:
+            batches.close()
+
+    def close(self) -> None:
+        """The async batch thread, the logger, the actors and placement groups, Ray: whatever
+        was started, whichever way the run ends. Safe to call twice."""
+        import ray
+
+        self.stop_batches()
+        try:
+            self.close_logger()
+        finally:
+            roles, self.roles = self.roles, None
+            if roles is not None:
+                roles.shutdown()
+            if ray.is_initialized():
+                ray.shutdown()

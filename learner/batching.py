@@ -1,0 +1,111 @@
+"""From prompt groups to padded tensors, and from a minibatch to micro-batches within a token budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from learner.collectives import global_max
+from learner.logprobs import token_logprobs
+
+
+@dataclass
+class Rollouts:
+    """One rank's share of a step, one row per completion (prompt + completion, right-padded).
+    `mask` marks the completion tokens as targets, shifted by one: [N, T-1]."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor
+    lengths: List[int]
+    truncated: List[bool]
+    sampler_logprobs: Optional[torch.Tensor]
+    group_size: int
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+def pad(sequences: Sequence[Sequence[int]], completion_starts: Sequence[int], pad_id: int, device):
+    """Right-padded ids, attention mask, and the mask of completion tokens (as targets)."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), length), dtype=torch.long)
+    target_mask = torch.zeros((len(sequences), length - 1), dtype=torch.bool)
+    for i, (seq, start) in enumerate(zip(sequences, completion_starts)):
+        assert start >= 1, "a completion needs at least one prompt token before it"
+        ids[i, : len(seq)] = torch.tensor(list(seq))
+        attention[i, : len(seq)] = 1
+        target_mask[i, start - 1: len(seq) - 1] = True  # targets are shifted by one
+    return ids.to(device), attention.to(device), target_mask.to(device)
+
+
+def flatten(groups: list, pad_id: int, device) -> Rollouts:
+    """Every completion of every group as a row, in group order (advantages need whole groups)."""
+    seqs, starts, rewards, lengths, truncated, sampled = [], [], [], [], [], []
+    for g in groups:
+        behaviour = getattr(g, "sampler_logprobs", None) or [None] * g.group_size
+        for ids, reason, reward, lps in zip(g.completion_ids, g.finish_reasons, g.rewards, behaviour):
+            seqs.append(list(g.prompt_ids) + list(ids))
+            starts.append(len(g.prompt_ids))
+            rewards.append(reward)
+            lengths.append(len(ids))
+            truncated.append(reason == "length")
+            sampled.append(lps)
+    ids, attention, mask = pad(seqs, starts, pad_id, device)
+    return Rollouts(ids, attention, mask, torch.tensor(rewards, dtype=torch.float32, device=device), lengths,
+                    truncated, _sampler_logprobs(sampled, starts, mask), groups[0].group_size)
+
+
+def _sampler_logprobs(sampled, starts, mask) -> Optional[torch.Tensor]:
+    """The sampler's log-probs laid out like the learner's targets [N, T-1]; None when some
+    completion has none (greedy outputs, or groups from elsewhere)."""
+    if any(lps is None for lps in sampled):
+        return None
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for i, (lps, start) in enumerate(zip(sampled, starts)):
+        out[i, start - 1: start - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return out.to(mask.device)
+
+
+class MicroBatcher:
+    """Cuts a minibatch's rows into micro-batches of at most `budget` (padded) tokens; 0 keeps one."""
+
+    def __init__(self, budget: int, device):
+        self.budget, self.device = budget, device
+
+    def split(self, rows: torch.Tensor, attention: torch.Tensor) -> List[torch.Tensor]:
+        """Rows in order, cut so that rows x longest row <= the budget. Every rank ends with the
+        same number of micro-batches (the most any rank needs), because under ZeRO-3 each
+        forward and backward is a collective."""
+        if self.budget <= 0:
+            return [rows]
+        micros: List[List[int]] = []
+        current: List[int] = []
+        longest = 0
+        for row, length in zip(rows.tolist(), attention[rows].sum(dim=1).tolist()):
+            if current and (len(current) + 1) * max(longest, length) > self.budget:
+                micros.append(current)
+                current, longest = [], 0
+            current.append(row)
+            longest = max(longest, length)
+        micros.append(current)
+        target = int(global_max(len(micros), self.device))
+        while len(micros) < target:  # split the largest micro-batch until every rank has as many
+            i = max(range(len(micros)), key=lambda k: len(micros[k]))
+            half = len(micros[i]) // 2
+            micros[i:i + 1] = [micros[i][:half], micros[i][half:]]
+        return [torch.tensor(m, device=self.device) for m in micros]
+
+    @torch.no_grad()
+    def fixed_logprobs(self, model, ids, attention, temperature: float) -> torch.Tensor:
+        """Log-probs [N, T-1] of a model that does not change during the step (pi_old, pi_ref),
+        in the same micro-batches as the update, so a forward's memory is bounded by the
+        token budget, not the batch."""
+        out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
+        for micro in self.split(torch.arange(ids.shape[0], device=ids.device), attention):
+            T = int(attention[micro].sum(dim=1).max())
+            out[micro, :T - 1] = token_logprobs(model, ids[micro, :T], attention[micro, :T], temperature)
+        return out

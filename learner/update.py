@@ -1,0 +1,211 @@
+"""The policy update of one step, one strategy per advantage estimator.
+
+`GroupUpdate` (GRPO, RLOO): one advantage per completion from its group's rewards; the KL to
+pi_ref is a term of the loss. `CriticUpdate` (PPO, `algo.adv_estimator=gae`): per-token
+advantages from a value model by GAE; the KL is a per-token reward; the value model trains
+beside the policy. Both run the same loop: `algo.num_iterations` passes over the batch, each in
+`learner.minibatches` optimizer steps, each minibatch in micro-batches whose gradients
+accumulate. The maths is learner/grpo.py and learner/ppo.py; docs/design.md states it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from common.config import AlgoConfig
+from learner import grpo, ppo
+from learner.batching import MicroBatcher, Rollouts
+from learner.collectives import global_std, global_sum
+from learner.logprobs import token_logprobs
+
+
+@dataclass
+class Fixed:
+    """What stays fixed for the whole step, computed once before any update."""
+
+    advantages: torch.Tensor
+    """[N] per completion, or [N, T-1] per token (token_level)."""
+    old_logprobs: Optional[torch.Tensor] = None
+    """pi_old; None when the one update's own log-probs, detached, are the same numbers."""
+    ref_logprobs: Optional[torch.Tensor] = None
+    """pi_ref, for the loss's KL term (None: beta = 0, or PPO, whose KL is in the reward)."""
+    is_weights: Optional[torch.Tensor] = None
+    """Truncated importance weights pi_old / pi_sampler (None: off)."""
+    metrics: Dict[str, float] = field(default_factory=dict)
+    token_level: bool = False
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class GroupUpdate:
+    """GRPO / RLOO: the group's rewards are the baseline; no value model."""
+
+    def __init__(self, algo: AlgoConfig, minibatches: int, max_length: int, micro: MicroBatcher, world_size: int):
+        self.algo, self.minibatches, self.max_length = algo, minibatches, max_length
+        self.micro, self.world_size = micro, world_size
+
+    # ---- what the strategies differ in ---------------------------------------------------------
+    def fix(self, policy, reference, batch: Rollouts, temperature: float) -> Fixed:
+        algo = self.algo
+        scale, eps = algo.adv_scale, algo.adv_eps
+        # "batch" means the whole step's batch, across ranks, not this rank's share of it.
+        A = grpo.compute_advantages(batch.rewards, batch.group_size, scale="none" if scale == "batch" else scale,
+                                    eps=eps, estimator=algo.adv_estimator)
+        if scale == "batch":
+            A = A / (global_std(batch.rewards) + eps)
+        single_update = algo.num_iterations == 1 and self.minibatches == 1
+        use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
+        # With one update per batch, pi_old is the policy being differentiated: its log-probs
+        # are the same numbers, detached (saves a forward pass; ratio = 1).
+        old = None if single_update and not use_is else self.micro.fixed_logprobs(
+            policy, batch.ids, batch.attention, temperature)
+        fixed = Fixed(A, old_logprobs=old)
+        if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
+            fixed.is_weights, fixed.metrics = grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask,
+                                                                        algo.is_cap)
+        if reference is not None:
+            fixed.ref_logprobs = self.micro.fixed_logprobs(reference, batch.ids, batch.attention, temperature)
+        return fixed
+
+    def after_policy_step(self, mb, batch: Rollouts, fixed: Fixed) -> Dict[str, float]:
+        """Anything trained beside the policy on the same minibatch (nothing here)."""
+        return {}
+
+    # ---- the loop both share ----------------------------------------------------------------------
+    def run(self, policy, reference, batch: Rollouts, temperature: float) -> Dict[str, float]:
+        """Every optimizer step of this step; returns the mean of the minibatches' metrics."""
+        with torch.no_grad():
+            fixed = self.fix(policy, reference, batch, temperature)
+        step_metrics: List[Dict[str, float]] = []
+        for _ in range(self.algo.num_iterations):
+            for mb in torch.arange(len(batch), device=batch.ids.device).chunk(self.minibatches):
+                metrics = self.policy_step(policy, mb, batch, fixed, temperature)
+                metrics.update(self.after_policy_step(mb, batch, fixed))
+                metrics["grad_norm"] = float(policy.get_global_grad_norm() or 0.0)
+                step_metrics.append(metrics)
+        out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        out["advantage_abs_mean"] = float(fixed.advantages.abs().mean())
+        return {**out, **fixed.metrics}
+
+    def policy_step(self, policy, mb, batch: Rollouts, fixed: Fixed, temperature: float) -> Dict[str, float]:
+        """One optimizer step of the policy on minibatch `mb` (row indices), in micro-batches."""
+        micros = self.micro.split(mb, batch.attention)
+        num_tokens = None
+        if self.algo.loss_agg == "token-mean":  # the batch's tokens, over every rank
+            num_tokens = global_sum(batch.mask[mb].sum()) / self.world_size
+        weights = self._micro_weights(micros, batch.mask, exact=num_tokens is not None)
+        metrics: Dict[str, float] = {}
+        for j, micro in enumerate(micros):
+            T = batch.ids.shape[1]
+            if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
+                policy.set_gradient_accumulation_boundary(j == len(micros) - 1)
+                T = int(batch.attention[micro].sum(dim=1).max())  # trim the padding it does not need
+            loss, micro_metrics = self._micro_loss(policy, micro, T, batch, fixed, temperature, num_tokens)
+            policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
+            _accumulate(metrics, micro_metrics, weights[j], len(micros))
+        policy.step()
+        metrics["micro_batches"] = float(len(micros))
+        return metrics
+
+    def _micro_weights(self, micros, mask, exact: bool) -> List[float]:
+        """Each micro-batch's loss is weighted so that their sum is the minibatch's loss."""
+        if exact or len(micros) == 1:  # token-mean divides by the global count already
+            return [1.0] * len(micros)
+        if self.algo.loss_agg == "seq-mean-token-mean":
+            rows = [float(mask[m].any(dim=1).sum()) for m in micros]
+        else:
+            rows = [float(len(m)) for m in micros]
+        total = max(sum(rows), 1.0)
+        return [r / total for r in rows]
+
+    def _micro_loss(self, policy, micro, T: int, batch: Rollouts, fixed: Fixed, temperature: float, num_tokens):
+        algo = self.algo
+        logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
+                                           with_entropy=True)
+        mask = batch.mask[micro, :T - 1]
+        loss, metrics = grpo.policy_loss(
+            logprobs,
+            logprobs.detach() if fixed.old_logprobs is None else fixed.old_logprobs[micro, :T - 1],
+            None if fixed.ref_logprobs is None else fixed.ref_logprobs[micro, :T - 1],
+            fixed.advantages[micro, :T - 1] if fixed.token_level else fixed.advantages[micro], mask,
+            clip_low=algo.clip_low, clip_high=algo.clip_high,
+            beta=0.0 if fixed.token_level else algo.beta, kl_estimator=algo.kl_estimator,
+            # Dr. GRPO divides by a constant, the longest completion allowed.
+            loss_agg=algo.loss_agg, max_length=self.max_length, ratio_level=algo.ratio_level,
+            num_tokens=num_tokens, is_weights=None if fixed.is_weights is None else fixed.is_weights[micro, :T - 1],
+        )
+        metrics["entropy"] = float(grpo.masked_mean(entropy, mask))
+        return loss, metrics
+
+
+def _accumulate(total: Dict[str, float], metrics: Dict[str, float], weight: float, num_micros: int) -> None:
+    """A micro-batch's metrics into the minibatch's: the loss by its weight, the largest ratio
+    as a max, every other metric as a plain mean over the micro-batches."""
+    for key, value in metrics.items():
+        if key == "ratio_max":
+            total[key] = max(total.get(key, 0.0), value)
+        else:
+            total[key] = total.get(key, 0.0) + (weight if key == "loss" else 1.0 / num_micros) * value
+
+
+class CriticUpdate(GroupUpdate):
+    """PPO with a value model (`algo.adv_estimator=gae`): the baseline GRPO removes."""
+
+    def __init__(self, algo: AlgoConfig, minibatches: int, max_length: int, micro: MicroBatcher, world_size: int,
+                 critic):
+        super().__init__(algo, minibatches, max_length, micro, world_size)
+        self.critic = critic
+
+    def values(self, ids, attention, grad: bool = False):
+        """The critic's value of the state before each token, aligned with the log-probs [N, T-1]."""
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            return self.critic(input_ids=ids, attention_mask=attention).logits[:, :-1, 0].float()
+
+    def fix(self, policy, reference, batch: Rollouts, temperature: float) -> Fixed:
+        algo = self.algo
+        old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, temperature)
+        use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
+        is_weights, is_metrics = (grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask, algo.is_cap)
+                                  if use_is else (None, {}))
+        ref = (self.micro.fixed_logprobs(reference, batch.ids, batch.attention, temperature)
+               if reference is not None else None)
+        # Token-level advantages from the critic (GAE); the KL is in the reward, not the loss.
+        old_values = self.values(batch.ids, batch.attention)
+        kl = old - ref if ref is not None else torch.zeros_like(old)
+        token_r = ppo.token_rewards(batch.rewards, kl, batch.mask, algo.beta)
+        A, returns = ppo.gae(token_r, old_values, batch.mask, algo.gamma, algo.lam)
+        return Fixed(ppo.whiten(A, batch.mask), old_logprobs=old, is_weights=is_weights, metrics=is_metrics,
+                     token_level=True, extra={"old_values": old_values, "returns": returns, "kl": kl})
+
+    def after_policy_step(self, mb, batch: Rollouts, fixed: Fixed) -> Dict[str, float]:
+        """The value model's step on the same minibatch."""
+        values = self.values(batch.ids[mb], batch.attention[mb], grad=True)
+        loss, metrics = ppo.value_loss(values, fixed.extra["old_values"][mb], fixed.extra["returns"][mb],
+                                       batch.mask[mb], self.algo.value_clip)
+        self.critic.backward(loss)
+        self.critic.step()
+        metrics["kl"] = float(grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]))
+        return metrics
+
+
+def make_update(algo: AlgoConfig, minibatches: int, max_length: int, micro: MicroBatcher, world_size: int,
+                critic=None) -> GroupUpdate:
+    if algo.adv_estimator == "gae":
+        return CriticUpdate(algo, minibatches, max_length, micro, world_size, critic)
+    return GroupUpdate(algo, minibatches, max_length, micro, world_size)
+
+
+def shape_rewards(batch: Rollouts, algo: AlgoConfig, max_length: int) -> torch.Tensor:
+    """DAPO's length rules, applied to `batch` in place: the overlong penalty joins the rewards
+    (returned, for the metric) and truncated completions leave the loss (`mask_truncated`)."""
+    shaping = torch.zeros_like(batch.rewards)
+    if algo.overlong_buffer > 0:  # a soft penalty before the length limit
+        lengths = torch.tensor(batch.lengths, device=batch.rewards.device)
+        shaping = grpo.overlong_penalty(lengths, max_length, algo.overlong_buffer, algo.overlong_penalty)
+        batch.rewards = batch.rewards + shaping
+    if algo.mask_truncated:  # a cut-off answer teaches nothing about its end
+        cut = torch.tensor(batch.truncated, dtype=torch.bool, device=batch.mask.device)
+        batch.mask = batch.mask & ~cut[:, None]
+    return shaping
