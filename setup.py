@@ -29,6 +29,8 @@ setup(
         # The weight receiver uses vLLM's layerwise reload (model_runner.reload_weights), as in 0.32.
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "import-linter==2.17"],
+        # bench/vs_trl.py runs TRL's GRPOTrainer beside this project.
+        "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["grpo=cluster.cli:main"]},
 )

@@ -44,7 +44,8 @@ def main() -> None:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     met = 0
     for seed, warm, before, after, minutes, wall in rows:
-        ok = after - before >= 0.2 and after >= 0.8 and wall <= 6.0
+        # In points, rounded: accuracies are shares of the held-out problems (0.87 - 0.67 < 0.2 in floats).
+        ok = round(100 * (after - before), 6) >= 20 and round(100 * after, 6) >= 80 and wall <= 6.0
         met += ok
         lines.append(f"| {seed} | {warm} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} | {minutes:.1f} | "
                      f"{wall:.1f} | {'yes' if ok else 'no'} |")

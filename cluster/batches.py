@@ -70,10 +70,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         batch = items if items is not None else sampler.next_batch(size - len(kept))
         # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
         seed = cfg.trainer.seed * 1_000_003 + step + round_ * 1_000_000_007 if round_seed is None else round_seed
-        with timer("time_generate"):
-            refs, gen = roles.rollout.generate(batch, cfg.algo.group_size, greedy=False, seed=seed)
-        with timer("time_reward"):
-            scored, stats = roles.verifiers.score(refs)
+        scored, gen, stats = generate_and_score(roles, batch, cfg.algo.group_size, seed, timer)
         informative = stats.pop("per_item/informative")
         totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
         gen["rollout_actor_restarts"] = gen.get("actor_restarts", 0.0)
@@ -94,6 +91,27 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         kept = (kept + spare[:filled])[:size]
     return Batch(refs=[r[0] for r in kept], items=[r[1] for r in kept], versions=[r[2] for r in kept],
                  reward_stats=totals, metrics=metrics, times=timer.times, sampler_state=state)
+
+
+def generate_and_score(roles, batch, n: int, seed: int, timer: Timer):
+    """Sample `n` completions per prompt and score them, each chunk handed to the verifier pool
+    as soon as it is generated: (scored group refs in order, generation stats, reward stats).
+    `time_generate` runs until the last chunk is generated; `time_reward` is what scoring
+    adds after it (the phase is off the step's critical path when it is near 0)."""
+    scored: List[Any] = [None] * len(batch)
+    pending: List[tuple] = []
+
+    def score_chunk(positions, refs) -> None:
+        out, stats_ref = roles.verifiers.submit(refs)
+        for i, ref in zip(positions, out):
+            scored[i] = ref
+        pending.append((positions, stats_ref))
+
+    with timer("time_generate"):
+        _, gen = roles.rollout.generate(batch, n, greedy=False, seed=seed, on_chunk=score_chunk)
+    with timer("time_reward"):
+        stats = roles.verifiers.gather(pending, len(batch))
+    return scored, gen, stats
 
 
 def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles, sampler, cfg) -> Dict[str, float]:

@@ -27,6 +27,7 @@ def chunk_size(num_items: int, num_actors: int, chunks_per_actor: int) -> int:
 
 def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: int,
              stats: Dict[str, Any], on_failure: Optional[Callable[[int], None]] = None,
+             on_done: Optional[Callable[[range, List[ray.ObjectRef]], None]] = None,
              ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
     """Run `items` in chunks of `size` on whichever actor is free; returns (one result ref per
     item, in order; `stats` with every chunk's stats added).
@@ -34,7 +35,8 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
     With `on_failure`, a chunk whose actor died is handed out again once `on_failure(actor
     index)` returns (it waits for the restarted actor and readies it); its results are then
     those of the re-run only, so every item is done exactly once. `actor_restarts` counts them.
-    Without it the actor's error is raised."""
+    Without it the actor's error is raised. `on_done(positions, refs)` is called as each chunk
+    completes (the next stage can start on it while the others still run)."""
     n = len(items)
     out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
     if n == 0:
@@ -63,6 +65,8 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
         for i, ref in zip(chunk, refs):
             out[i] = ref
         idle.append(a)
+        if on_done is not None:
+            on_done(chunk, refs)
     return out, stats
 
 

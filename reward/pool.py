@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import ray
 
 from common.config import RewardConfig
-from common.dispatch import as_list, chunk_size, dispatch
+from common.dispatch import add_stats, as_list, chunk_size, dispatch
 from reward.scorer import Item, Outcome, Scorer
 
 TASK_RETRIES = 3
@@ -109,6 +109,7 @@ class VerifierPool:
         actor = ray.remote(num_cpus=settings.num_cpus_per_worker, max_restarts=-1,
                            max_task_retries=TASK_RETRIES)(VerifierWorker)
         self.settings = settings
+        self._next = 0  # the actor `submit` uses next
         self.names = list(dict.fromkeys(settings.verifiers))
         path = [os.getcwd()] if search_path is None else list(search_path)
         self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path)
@@ -126,6 +127,22 @@ class VerifierPool:
 
         return dispatch(self.workers, submit, payload, chunk_size(len(payload), len(self.workers), chunks_per_worker),
                         empty_stats(self.names))
+
+    def submit(self, group_refs: Sequence[ray.ObjectRef]) -> Tuple[List[ray.ObjectRef], ray.ObjectRef]:
+        """Score these groups on the next actor, without waiting: (scored group refs, a ref to
+        their stats). Ray runs the call once the groups exist, so a chunk is scored while the
+        rest of the batch is still being generated; a restarted actor re-runs it."""
+        worker = self.workers[self._next % len(self.workers)]
+        self._next += 1
+        refs = as_list(worker.score_groups.options(num_returns=len(group_refs) + 1).remote(*group_refs))
+        return refs[:-1], refs[-1]
+
+    def gather(self, pending: Sequence[Tuple[Sequence[int], ray.ObjectRef]], n: int) -> Dict[str, Any]:
+        """The summed stats of `submit` calls, given the positions of their groups in a batch of n."""
+        stats = empty_stats(self.names)
+        for positions, ref in pending:
+            add_stats(stats, ray.get(ref), positions, n)
+        return stats
 
     def score(self, group_refs: Sequence[ray.ObjectRef]) -> Tuple[List[ray.ObjectRef], Dict[str, float]]:
         """Scored group refs (same order) and summed stats over every completion."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
@@ -40,14 +40,15 @@ class RolloutPool:
         """Members of the weight-sync group per worker: one per tensor-parallel rank."""
         return self.cfg.tensor_parallel_size
 
-    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int, temperature: Optional[float] = None
+    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int, temperature: Optional[float] = None,
+                 on_chunk: Optional[Callable[[range, List[ray.ObjectRef]], None]] = None,
                  ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
         """Refs to one PromptGroup per (index, Problem) in `batch`, in order, and the stats
         (completions, completion_tokens, per_item/policy_version).
 
         The batch is cut into chunks handed to whichever worker is free. A seed per (step,
         prompt) makes a prompt's samples the same whichever worker draws it, and no two prompts
-        share a random stream.
+        share a random stream. `on_chunk(positions, refs)` hears of each chunk as it is done.
         """
         prompts = [(index, problem.prompt, problem.answer, problem.fields) for index, problem in batch]
         seeds = {p[0]: hash((seed, p[0])) % (2**31) for p in prompts}
@@ -58,7 +59,7 @@ class RolloutPool:
 
         size = chunk_size(len(prompts), len(self.workers), self.cfg.chunks_per_worker)
         return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},
-                        on_failure=self._restarted if self.recover else None)
+                        on_failure=self._restarted if self.recover else None, on_done=on_chunk)
 
     def _restarted(self, index: int) -> None:
         """Wait for worker `index` to come back, then give it the current weights; it must then

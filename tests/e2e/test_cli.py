@@ -157,15 +157,18 @@ def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
 
 
 def test_ctrl_c_lets_everything_go(tmp_path, model_cache):
-    """Ctrl-C in the middle of the GRPO steps: the run stops with one line, and no process it
-    started (Ray, the actors, vLLM's engine processes, DeepSpeed) is left behind."""
+    """Ctrl-C in the middle of the GRPO steps of an async run: the run stops with one line, its
+    process exits (no thread left running: the async batch thread would keep it alive), and no
+    process it started (Ray, the actors, vLLM's engine processes, DeepSpeed; placement groups
+    live in Ray's) is left behind."""
     import signal
     import subprocess
     import time
 
     from helpers import small_overrides
 
-    proc = subprocess.Popen([GRPO, "train", *small_overrides(model_cache, str(tmp_path)), "trainer.max_steps=200"],
+    proc = subprocess.Popen([GRPO, "train", *small_overrides(model_cache, str(tmp_path)), "trainer.max_steps=200",
+                             "trainer.mode=async"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         for line in proc.stdout:  # bounded by pytest-timeout

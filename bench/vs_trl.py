@@ -1,0 +1,179 @@
+"""This project against TRL's GRPOTrainer, same machine, same start model, same settings.
+
+    .venv/bin/pip install -e ".[bench]"         # brings trl (and accelerate); nothing else
+    .venv/bin/python bench/vs_trl.py [--steps 20] [--start MODEL_DIR] [overrides for both...]
+
+1. The start model: the default job's post-warm-up policy (`grpo train trainer.max_steps=0`
+   writes it as final_model/), unless --start names one.
+2. This project: `grpo train model=hf model.path=START warmup.steps=0 trainer.max_steps=N`.
+3. TRL 1.16 `GRPOTrainer` in its own process (one process, HF `generate`, both cores), from the
+   same weights, for the same N GRPO steps.
+Both then report seconds per GRPO step (median), completion tokens/s, held-out greedy accuracy
+after the steps (the same held-out problems, scored by this project's math verifier) and the
+time until the first step starts.
+
+TRL settings, chosen to compute what this project computes by default: G = num_generations = 8;
+64 prompts per step (generation_batch_size 512); steps_per_generation = 2 (learner.minibatches:
+two optimizer steps per batch, the second off-policy, clipped); max_completion_length = 32;
+temperature 1.0; learning_rate 7e-4, linear decay (this project decays to 0.1 of it, TRL to 0:
+the nearest TRL has); beta 0.04 (k3 KL, as TRL computes it); epsilon 0.2; loss_type "grpo"
+(sequence mean of token means, as algo.loss_agg=seq-mean-token-mean); scale_rewards "group";
+rewards: math 1.0 + format 0.1, computed by this project's own verifier functions; float32 on
+CPU (bf16=False), no vLLM (TRL's CPU path is HF generate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+GRPO = str(Path(sys.executable).parent / "grpo")
+PROMPTS_PER_STEP, G, NEW_TOKENS, LR, BETA, EPS, MINIBATCHES = 64, 8, 32, 7e-4, 0.04, 0.2, 2
+
+
+def start_model(out: Path, overrides) -> str:
+    """The default job's policy after its warm-up (no GRPO step), as a Hugging Face folder."""
+    name = "start"
+    if not (out / name / "final_model" / "config.json").exists():
+        subprocess.run([GRPO, "train", "trainer.max_steps=0", f"trainer.run_name={name}", f"trainer.output_dir={out}",
+                        "logger=none", "trainer.progress=false", *overrides], check=True)
+    return str(out / name / "final_model")
+
+
+def run_ours(start: str, steps: int, out: Path, overrides) -> dict:
+    name = f"ours-{time.strftime('%H%M%S')}"
+    begun = time.time()
+    subprocess.run([GRPO, "train", "model=hf", f"model.path={start}", "warmup.steps=0",
+                    f"trainer.max_steps={steps}", "trainer.eval_every=0", f"trainer.run_name={name}",
+                    f"trainer.output_dir={out}", "logger=none", "trainer.progress=false", *overrides], check=True)
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / name / "summary.json").read_text())
+    first_start = rows[0]["wall_seconds"] - rows[0]["time_step"]  # since the driver started
+    steps_s = [r["time_step"] for r in rows]
+    return {"step_s": statistics.median(steps_s),
+            "tokens_per_s": sum(r["completion_tokens"] for r in rows) / sum(steps_s),
+            "before": summary["heldout_accuracy_before"], "after": summary["heldout_accuracy_after"],
+            "startup_s": first_start, "process_s": time.time() - begun}
+
+
+# ---- TRL, in a process of its own ------------------------------------------------------------
+def run_trl(start: str, steps: int, out: Path, seed: int) -> dict:
+    result = out / f"trl-{time.strftime('%H%M%S')}.json"
+    begun = time.time()
+    subprocess.run([sys.executable, __file__, "--trl-child", start, str(steps), str(result), str(seed)], check=True)
+    return {**json.loads(result.read_text()), "process_s": time.time() - begun}
+
+
+def trl_child(start: str, steps: int, result: str, seed: int) -> None:
+    born = time.time()
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.config import DataConfig
+    from reward.verifiers import format_score, math_score
+    from rollout.datasets import load_problems
+
+    heldout, train = load_problems(DataConfig(), seed)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train])
+
+    def math_reward(prompts, completions, answer, **_):
+        return [math_score(c, a) for c, a in zip(completions, answer)]
+
+    def format_reward(completions, **_):
+        return [format_score(c) for c in completions]
+
+    class Clock(TrainerCallback):
+        """Wall time at each optimizer step's end (a GRPO step is MINIBATCHES of them)."""
+        first_begin, ends = None, []
+
+        def on_step_begin(self, args, state, control, **kw):
+            if Clock.first_begin is None:
+                Clock.first_begin = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            Clock.ends.append(time.time())
+
+    config = GRPOConfig(
+        output_dir=str(Path(result).parent / "trl-run"), max_steps=steps * MINIBATCHES, learning_rate=LR,
+        lr_scheduler_type="linear", per_device_train_batch_size=PROMPTS_PER_STEP * G // MINIBATCHES,
+        steps_per_generation=MINIBATCHES, num_generations=G, max_completion_length=NEW_TOKENS,
+        temperature=1.0, beta=BETA, epsilon=EPS, loss_type="grpo", scale_rewards="group",
+        reward_weights=[1.0, 0.1], use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        seed=seed, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[math_reward, format_reward], args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    ends = [Clock.first_begin] + Clock.ends[MINIBATCHES - 1::MINIBATCHES]
+    step_s = [b - a for a, b in zip(ends, ends[1:])]
+    # TRL logs a generation's completion lengths once, at the first optimizer step after it.
+    logs = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    assert len(logs) == steps, f"{len(logs)} generations logged for {steps} GRPO steps"
+    tokens = sum(length * PROMPTS_PER_STEP * G for length in logs)
+    accuracy = greedy_accuracy(trainer.model, tokenizer, heldout, math_score)
+    Path(result).write_text(json.dumps({
+        "step_s": statistics.median(step_s), "tokens_per_s": tokens / sum(step_s), "after": accuracy,
+        "startup_s": Clock.first_begin - born, "torch_threads": torch.get_num_threads()}))
+
+
+def greedy_accuracy(model, tokenizer, problems, score) -> float:
+    import torch
+
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    right = 0
+    with torch.no_grad():
+        for i in range(0, len(problems), 64):
+            chunk = problems[i:i + 64]
+            enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
+            out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            right += sum(score(t, p.answer) for t, p in zip(texts, chunk))
+    return right / len(problems)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-child":
+        trl_child(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+        return
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--start", default=None, help="a Hugging Face folder to start both from")
+    parser.add_argument("--output-dir", default="runs/vs_trl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="for this project's runs (e.g. rollout.chunks_per_worker=1)")
+    args = parser.parse_args()
+    out = Path(args.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    start = args.start or start_model(out, [f"trainer.seed={args.seed}"])
+    ours = run_ours(start, args.steps, out, [f"trainer.seed={args.seed}", *args.overrides])
+    trl = run_trl(start, args.steps, out, args.seed)
+    rows = [("seconds per GRPO step (median)", "step_s", "{:.2f}"),
+            ("completion tokens/s", "tokens_per_s", "{:.0f}"),
+            ("held-out greedy accuracy after the steps", "after", "{:.1%}"),
+            ("seconds until the first step starts", "startup_s", "{:.0f}"),
+            ("whole process, seconds", "process_s", "{:.0f}")]
+    lines = [f"start model: {start} (held-out greedy accuracy {ours['before']:.1%}); {args.steps} GRPO steps each",
+             "", "| | this project | TRL GRPOTrainer | this project / TRL |", "| --- | --- | --- | --- |"]
+    for label, key, fmt in rows:
+        ratio = ours[key] / trl[key] if trl[key] else float("nan")
+        if key in ("step_s", "startup_s", "process_s"):
+            ratio = trl[key] / ours[key]  # a speed ratio: above 1 means this project is faster
+        lines.append(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {ratio:.2f}x |")
+    lines.append("\n(ratios are speed ratios: above 1x this project is faster; for accuracy, the plain ratio)")
+    table = "\n".join(lines)
+    print(table)
+    (out / "vs_trl.md").write_text(f"command: {' '.join(sys.argv)}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
