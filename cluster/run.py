@@ -2,6 +2,7 @@
 it go on every way out (the last step, an error, Ctrl-C)."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,17 +69,21 @@ class Run:
         if batches is not None:
             batches.close()
 
+    def stop_roles(self) -> None:
+        roles, self.roles = self.roles, None
+        if roles is not None:
+            roles.shutdown()
+
     def close(self) -> None:
         """The async batch thread, the logger, the actors and placement groups, Ray: whatever
-        was started, whichever way the run ends. Safe to call twice."""
+        was started, whichever way the run ends. Safe to call twice. A part that fails to stop
+        is reported in one line and the others still stop (raising here would hide the error
+        that ended the run)."""
         import ray
 
-        self.stop_batches()
-        try:
-            self.close_logger()
-        finally:
-            roles, self.roles = self.roles, None
-            if roles is not None:
-                roles.shutdown()
-            if ray.is_initialized():
-                ray.shutdown()
+        for stop in (self.stop_batches, self.close_logger, self.stop_roles, ray.shutdown):
+            try:
+                stop()
+            except Exception as error:
+                print(f"grpo: warning: {stop.__name__} failed while stopping: {type(error).__name__}: {error}",
+                      file=sys.stderr, flush=True)

@@ -227,3 +227,54 @@ def test_gpu_layouts_that_share_a_gpu_are_refused(overrides, words):
     message = config_error(*overrides)
     assert all(w in message for w in words), message
 
+
+
+def test_allowed_values_are_declared_once_and_every_default_is_allowed():
+    """Each `one_of` field's default is among its choices, the learner's maths checks against
+    the same tuples, and every section of the schema checks itself."""
+    from dataclasses import fields, is_dataclass
+
+    from common import config as schema
+    from learner import grpo
+
+    def sections(node, prefix):
+        for f in fields(node):
+            value = getattr(node, f.name)
+            if is_dataclass(value):
+                yield f"{prefix}{f.name}", value
+                yield from sections(value, f"{prefix}{f.name}.")
+
+    found = 0
+    for name, section in sections(schema.Config(), ""):
+        assert isinstance(section, schema.Section), name
+        for f in fields(section):
+            choices = f.metadata.get("choices")
+            if choices is not None:
+                found += 1
+                assert getattr(section, f.name) in choices, f"{name}.{f.name}"
+    assert found >= 15
+    assert grpo.LOSS_AGGS is schema.LOSS_AGGS and grpo.KL_ESTIMATORS is schema.KL_ESTIMATORS
+    assert set(grpo.GROUP_BASELINES) == set(schema.ADV_ESTIMATORS) - {"gae"}
+
+
+def test_actors_receive_the_typed_sections():
+    """What the driver hands each role is the schema's own dataclass (no dict in between): a key
+    added to a section reaches the actor with its type."""
+    import inspect
+
+    from common.config import AlgoConfig, LearnerConfig, RewardConfig, RolloutConfig
+    from learner.actor import LearnerRank
+    from learner.group import LearnerGroup
+    from reward.pool import VerifierPool
+    from rollout.pool import RolloutPool
+    from rollout.worker import GenerationWorker
+
+    def annotation(fn, name):
+        return inspect.signature(fn).parameters[name].annotation
+
+    assert {annotation(LearnerGroup.__init__, "cfg"), annotation(LearnerRank.__init__, "cfg")} == {"LearnerConfig"}
+    assert {annotation(LearnerGroup.__init__, "algo"), annotation(LearnerRank.__init__, "algo")} == {"AlgoConfig"}
+    assert {annotation(RolloutPool.__init__, "rollout_cfg"),
+            annotation(GenerationWorker.__init__, "rollout_cfg")} == {"RolloutConfig"}
+    assert annotation(VerifierPool.__init__, "settings") == "RewardConfig"
+    assert all(isinstance(c, type) for c in (AlgoConfig, LearnerConfig, RewardConfig, RolloutConfig))
