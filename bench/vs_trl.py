@@ -83,6 +83,8 @@ def trl_child(start: str, steps: int, result: str, seed: int) -> None:
 
     heldout, train = load_problems(DataConfig(), seed)
     tokenizer = AutoTokenizer.from_pretrained(start)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train])
 
@@ -129,7 +131,7 @@ def greedy_accuracy(model, tokenizer, problems, score) -> float:
     import torch
 
     tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
     right = 0
     with torch.no_grad():
         for i in range(0, len(problems), 64):
