@@ -64,7 +64,8 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         with timer("time_weight_sync"):
             sync_metrics = roles.channel.push(version + 1)
     rewards = summarize(batch.reward_stats, cfg.reward.verifiers)
-    rewards["actor_restarts"] += batch.metrics["rollout_actor_restarts"]  # verifier and generation actors
+    # Verifier and generation actors: restarted while generating, or found dead by the push.
+    rewards["actor_restarts"] += batch.metrics["rollout_actor_restarts"] + sync_metrics.pop("sync_worker_restarts", 0.0)
     step_seconds = time.perf_counter() - started
     generate_seconds = batch.times.get("time_generate", 0.0)
     return {

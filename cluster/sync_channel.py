@@ -13,6 +13,9 @@ import ray
 from common.dispatch import call_when_up
 
 
+DEATH_WAIT_S = 10.0
+
+
 class WeightSyncError(RuntimeError):
     pass
 
@@ -68,12 +71,14 @@ class WeightSyncChannel:
             except WeightSyncError as error:
                 if not self._worker_died(error):
                     raise
-            # A generation actor died during the push: Ray restarts it (a fresh engine); re-join
-            # every worker and push again, once.
+            # A generation actor died during the push: Ray restarts it (a fresh engine); the
+            # sender leaves the broken group (the survivors' pending receives fail at once),
+            # every worker re-joins and the push runs again, once.
+            ray.get(self.learner.rank0.leave_weight_sync.remote())
             for w in self.rollout.workers:
                 call_when_up(w.ready, self.timeout_s)
             self._join()
-            return self._push(version)
+            return {**self._push(version), "sync_worker_restarts": 1.0}
 
     def _worker_died(self, error: WeightSyncError) -> bool:
         cause = error.__cause__
@@ -83,10 +88,32 @@ class WeightSyncChannel:
         actor_id = getattr(cause, "actor_id", None)
         return (actor_id.hex() if isinstance(actor_id, bytes) else actor_id) in workers
 
+    def _dead_receiver(self, receives):
+        """The RayActorError of a receiver that died, if one did: a dead actor's call fails within
+        moments, a live receiver may wait in its broadcast, so the wait is short."""
+        ray.wait(receives, num_returns=len(receives), timeout=min(self.timeout_s, DEATH_WAIT_S))
+        for ref in receives:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as error:
+                return error
+            except Exception:  # a receiver that failed but lives, or is still waiting
+                continue
+        return None
+
     def _push(self, version: int) -> Dict[str, float]:
         sends = [r.broadcast_weights.remote(self.spec) for r in self.learner.ranks]
         receives = [w.receive_weights.remote(self.spec, version) for w in self.rollout.workers]
-        results = self._wait(sends + receives, f"weight sync to version {version}")
+        try:
+            results = self._wait(sends + receives, f"weight sync to version {version}")
+        except ray.exceptions.RayTaskError as error:
+            # A receiver that dies mid-push closes its connection under the sender's broadcast,
+            # so the sender's error can arrive first: tell that apart from a sender failure.
+            died = self._dead_receiver(receives)
+            if died is not None:
+                raise WeightSyncError(f"weight sync to version {version}: a generation actor died") from died
+            raise WeightSyncError(f"weight sync to version {version} failed: "
+                                  f"{str(error).strip().splitlines()[-1][:300]}") from error
         reported = [r["policy_version"] for r in results[len(sends):]]
         if any(v != version for v in reported):
             raise WeightSyncError(f"workers report versions {reported} after pushing version {version}")

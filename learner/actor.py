@@ -174,7 +174,13 @@ class LearnerRank:
         return node_ip(), free_port(), "nccl" if self.on_gpu else "gloo"
 
     def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, backend: str) -> None:
+        self.sync_group = None  # the old group's connections close first
         self.sync_group = weight_sync.join_group(host, port, 0, world_size, timeout_s, backend)
+
+    def leave_weight_sync(self) -> None:
+        """Drop the sync group: its connections close, so a receiver still waiting in a broadcast
+        that will not come (a peer died mid-push) fails now instead of at the group's timeout."""
+        self.sync_group = None
 
     def broadcast_weights(self, wire_spec: dict) -> Dict[str, float]:
         """Rank 0 packs the weights into buckets and broadcasts each once to every worker.

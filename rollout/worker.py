@@ -53,7 +53,16 @@ class GenerationWorker:
         from vllm import LLM
 
         rollout_cfg = self.cfg
+        cpu = {}
+        if kv_bytes is not None:
+            # On CPUs no prompt is prefilled in pieces: when vLLM discards the token sampled after
+            # a partial prefill it rewinds the request's seeded generator, which a CPU generator
+            # cannot do ("CPU Generator does not use offset"; seen with a large batch of long
+            # chat prompts). A step's token budget then holds at least one whole sequence.
+            cpu = {"enable_chunked_prefill": False,
+                   "max_num_batched_tokens": max(rollout_cfg.max_model_len, 8192)}
         return LLM(
+            **cpu,
             kv_cache_memory_bytes=kv_bytes,
             model=model_path,
             dtype=rollout_cfg.dtype,

@@ -156,9 +156,10 @@ def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
 
 
 def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_lost(roles, system_cfg):
-    """Kill a vLLM actor while a step generates: Ray restarts it, it re-joins the sync group
-    and holds the current weights before it generates again, its unfinished prompts are
-    generated again, and the ledger shows every prompt trained exactly once."""
+    """Kill a vLLM actor during a step (while it generates, or during the weight push: steps
+    are short, so the second is the likelier): Ray restarts it, it re-joins the sync group and
+    holds the current weights before it generates again, any unfinished prompts are generated
+    again, and the ledger shows every prompt trained exactly once."""
     import copy
     import threading
 
