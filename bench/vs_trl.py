@@ -170,7 +170,8 @@ def main() -> None:
         ratio = ours[key] / trl[key] if trl[key] else float("nan")
         if key in ("step_s", "startup_s", "process_s"):
             ratio = trl[key] / ours[key]  # a speed ratio: above 1 means this project is faster
-        lines.append(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {ratio:.2f}x |")
+        shown = f"{ratio:.2f}x" if ratio == ratio else "n/a"  # NaN: TRL's value was 0
+        lines.append(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {shown} |")
     lines.append("\n(ratios are speed ratios: above 1x this project is faster; for accuracy, the plain ratio)")
     table = "\n".join(lines)
     print(table)
