@@ -65,7 +65,8 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     kept: List[tuple] = []
     spare: List[tuple] = []
     totals: Dict[str, Any] = {}
-    gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0}
+    gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
+                                    **{key: 0.0 for key in TOOL_STATS}}
     for round_ in range(rounds):
         batch = items if items is not None else sampler.next_batch(size - len(kept))
         # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
@@ -74,7 +75,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         informative = stats.pop("per_item/informative")
         totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
         gen["rollout_actor_restarts"] = gen.get("actor_restarts", 0.0)
-        gen_totals = {k: gen_totals[k] + gen[k] for k in gen_totals}
+        gen_totals = {k: gen_totals[k] + gen.get(k, 0.0) for k in gen_totals}
         rows = list(zip(scored, batch, gen["per_item/policy_version"], informative))
         if not cfg.algo.dynamic_sampling or items is not None:
             kept = rows
@@ -83,7 +84,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         spare += [r for r in rows if not r[3]]
         if len(kept) >= size:
             break
-    metrics = dict(gen_totals)
+    metrics = {**{k: v for k, v in gen_totals.items() if k not in TOOL_STATS}, **episode_metrics(gen_totals)}
     if cfg.algo.dynamic_sampling and items is None:
         filled = max(size - len(kept), 0)
         metrics.update({"dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
@@ -91,6 +92,23 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         kept = (kept + spare[:filled])[:size]
     return Batch(refs=[r[0] for r in kept], items=[r[1] for r in kept], versions=[r[2] for r in kept],
                  reward_stats=totals, metrics=metrics, times=timer.times, sampler_state=state)
+
+
+TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_wait_seconds",
+              "observation_tokens")
+
+
+def episode_metrics(totals: Dict[str, float]) -> Dict[str, float]:
+    """Per-step metrics of multi-turn episodes (none for single-turn runs): turns and calls per
+    episode, failed calls, the seconds tools ran (summed over calls) and the seconds the engines
+    sat idle waiting only for tools, and the share of trained-on sequence that is tool output."""
+    if not totals.get("turns"):
+        return {}
+    n = max(totals["completions"], 1.0)
+    return {"turns_mean": totals["turns"] / n, "tool_calls_mean": totals["tool_calls"] / n,
+            "tool_errors": totals["tool_errors"], "tool_timeouts": totals["tool_timeouts"],
+            "time_tools": totals["tool_seconds"], "time_tools_blocking": totals["tool_wait_seconds"],
+            "observation_token_fraction": totals["observation_tokens"] / max(totals["completion_tokens"], 1.0)}
 
 
 def generate_and_score(roles, batch, n: int, seed: int, timer: Timer):

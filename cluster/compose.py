@@ -150,13 +150,30 @@ def validate(cfg: Config) -> None:
     if cfg.data.source == "jsonl" and not os.path.exists(os.path.expanduser(cfg.data.path)):
         raise ConfigError(f"data.path: no such file '{cfg.data.path}'")
     _check_verifiers(cfg)
+    _check_tools(cfg)
+
+
+def _check_tools(cfg: Config) -> None:
+    """Custom tools that do not import, a python tool without a working sandbox."""
+    from common.plugins import load_function
+    from common.sandbox import sandbox_problem
+
+    for name, path in cfg.rollout.custom_tools.items():
+        try:
+            load_function(path, [os.getcwd()])
+        except ValueError as exc:
+            raise ConfigError(f"rollout.custom_tools.{name}: {exc}") from None
+    if "python" in cfg.rollout.tools:
+        problem = sandbox_problem()
+        if problem:
+            raise ConfigError(f"rollout.tools: the python tool: {problem}")
 
 
 def _check_verifiers(cfg: Config) -> None:
     """Unknown verifiers, missing weights, custom ones that do not import, a sandbox that cannot
     work here: all found before any actor starts."""
+    from common.sandbox import sandbox_problem
     from reward.registry import check_settings
-    from reward.sandbox import sandbox_problem
 
     try:
         check_settings(cfg.reward, [os.getcwd()])

@@ -49,7 +49,7 @@ def prepare_prompts(cfg: Config, heldout, train_set):
     from rollout.prompts import prepare
 
     name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
-    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout})
+    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout}, cfg.rollout)
     cfg.rollout.stop_token_ids = sorted(set(cfg.rollout.stop_token_ids) | set(info["stop_token_ids"]))
     tokens, where = info["longest_prompt"]
     if tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:

@@ -19,6 +19,8 @@ PANELS = [
     ("weight sync (GB/s)", ["sync_gbps"]),
     ("buffer and staleness", ["buffer_groups", "batches_ahead", "staleness_max", "dropped_stale"]),
     ("faults", ["actor_restarts", "reward_timeouts", "reward_errors"]),
+    ("tool use per episode", ["turns_mean", "tool_calls_mean", "observation_token_fraction"]),
+    ("tool failures and time (s)", ["tool_errors", "tool_timeouts", "time_tools", "time_tools_blocking"]),
 ]
 LOG_SCALE = {"learning rate and grad norm"}
 

@@ -39,7 +39,7 @@ def start_roles(cfg: Config) -> Roles:
 
     placement = Placement(cfg, cfg.cluster.placement_timeout_s)
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
-    learner = LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, cfg.trainer.seed,
+    learner = LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.completion_budget, cfg.trainer.seed,
                            placement=lambda i: placement.options("learner", i))
     verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
     rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,

@@ -50,6 +50,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TOOLS = ("calculator", "python")
+TOOL_FORMATS = ("tag", "hermes")
 
 
 @dataclass
@@ -106,6 +108,10 @@ class DataConfig(Section):
     """arithmetic: fewest digits of an operand (at least 2)."""
     max_digits: int = 2
     """arithmetic: most digits of an operand."""
+    op: str = one_of(("add", "mul"))
+    """arithmetic: `add` (`a+b=`, with a scratchpad of digit sums to warm up on) or `mul`
+    (`a*b=`: with rollout.tools=[calculator] the warm-up traces call the calculator; without a
+    tool they are the bare answer, which a small model cannot learn for 3-4 digit operands)."""
     prompt_template: Optional[str] = None
     """A format string over the row's fields, e.g. `"{question}\\nPut your final answer within
     \\\\boxed{{}}."` (`{prompt}` is the prompt field; `{{ }}` literal braces). None: the prompt as is."""
@@ -271,9 +277,53 @@ class RolloutConfig(Section):
     """CPU only: KV cache size per engine, in GiB (fractions allowed; the tests use 0.25)."""
     gpu_memory_utilization: float = 0.85
     """GPU only: share of its GPU the engine may take (each engine has GPUs of its own)."""
+    tools: List[str] = field(default_factory=list)
+    """Tools the model may call between turns: `calculator` (exact arithmetic), `python` (runs
+    in the code verifier's sandbox). Any tool makes each sample a multi-turn episode; empty:
+    one completion per sample."""
+    custom_tools: Dict[str, str] = field(default_factory=dict)
+    """Your own tools: name -> `module:function` (e.g. +rollout.custom_tools.search=my_tools:search),
+    called with the call's arguments, returning text."""
+    tool_format: str = one_of(TOOL_FORMATS)
+    """`tag`: `<tool>NAME: ARGS</tool>` answered by `<result>...</result>` (base models, the built-in
+    one); `hermes`: `<tool_call>{"name", "arguments"}</tool_call>` answered in the chat
+    template's `tool` role (Qwen2.5 and other instruct models)."""
+    max_turns: int = 4
+    """Model turns per episode at most (a call on the last turn goes unanswered)."""
+    max_episode_tokens: int = 0
+    """Tokens of one episode after its prompt, model and tool results together (0:
+    max_new_tokens * max_turns); always within max_model_len."""
+    tool_timeout_s: float = 5.0
+    """Hard limit of one tool call; a call past it returns an error to the model (counted)."""
+    tool_max_output_chars: int = 256
+    """A tool's result is cut to this many characters before the model reads it."""
+
+    @property
+    def episodes(self) -> bool:
+        """Samples are multi-turn episodes with tools."""
+        return bool(self.tools or self.custom_tools)
+
+    @property
+    def completion_budget(self) -> int:
+        """The most tokens a sample has after its prompt (the learner's max completion length)."""
+        if not self.episodes:
+            return self.max_new_tokens
+        return min(self.max_episode_tokens or self.max_new_tokens * self.max_turns, self.max_model_len - 1)
 
     def check(self, name: str = "rollout") -> None:
         super().check(name)
+        for tool in self.tools:
+            if tool not in TOOLS:
+                raise ConfigError(f"rollout.tools: unknown tool '{tool}'; built in: {', '.join(TOOLS)} "
+                                  "(your own: +rollout.custom_tools.NAME=module:function)")
+        for tool in self.custom_tools:
+            if tool in TOOLS:
+                raise ConfigError(f"rollout.custom_tools.{tool}: '{tool}' is a built-in tool; name yours otherwise")
+        at_least("rollout.max_turns", self.max_turns, 1)
+        at_least("rollout.max_episode_tokens", self.max_episode_tokens, 0)
+        at_least("rollout.tool_max_output_chars", self.tool_max_output_chars, 1)
+        if self.tool_timeout_s <= 0:
+            raise ConfigError(f"rollout.tool_timeout_s must be above 0 (got {self.tool_timeout_s})")
         for key in ("num_workers", "max_new_tokens", "chunks_per_worker", "tensor_parallel_size"):
             at_least(f"rollout.{key}", getattr(self, key), 1)
         at_least("rollout.top_k", self.top_k, 0)

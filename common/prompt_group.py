@@ -34,6 +34,12 @@ class PromptGroup:
     """Per-verifier scores, one list per verifier name."""
     timed_out: List[List[str]] = field(default_factory=list)
     """Per completion, the verifiers that ran out of time on it (scored 0)."""
+    loss_masks: Optional[List[List[int]]] = None
+    """Multi-turn episodes: per completion, 1 for each token the sampler chose and 0 for tool
+    results (left out of the loss, the KL and the entropy). None: every token is the model's."""
+    transcripts: Optional[List[str]] = None
+    """Multi-turn episodes: per completion, the model's turns and the tool results in order
+    (`completions` holds the model's turns only). Verifiers get it as the field `transcript`."""
 
     @property
     def group_size(self) -> int:

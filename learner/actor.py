@@ -18,7 +18,7 @@ from common import weight_sync
 from common.config import AlgoConfig, LearnerConfig
 from common.ray_utils import free_port, node_ip
 from learner import engines
-from learner.batching import MicroBatcher, flatten, pad
+from learner.batching import MicroBatcher, flatten, model_tokens_only, pad
 from learner.logprobs import token_logprobs
 from learner.update import make_update, shape_rewards
 
@@ -74,19 +74,27 @@ class LearnerRank:
             group["lr"] = lr
 
     # ---- supervised warm-up --------------------------------------------------------------
-    def load_warmup(self, examples: List[List[str]], end_ids: Optional[List[int]] = None) -> int:
-        """Tokenise the (prompt, target) pairs once; the warm-up then runs in chunks. Each target
-        ends with `end_ids` (a chat format's end-of-turn token), by default the tokenizer's EOS."""
+    def load_warmup(self, examples: List[tuple], end_ids: Optional[List[int]] = None) -> int:
+        """Tokenise the (prompt, target) pairs once; the warm-up then runs in chunks. A target is
+        text, or (text, trained) segments (a tool-using trace: each segment tokenized on its
+        own, as an episode is, and the untrained ones out of the loss). Each target ends with
+        `end_ids` (a chat format's end-of-turn token), by default the tokenizer's EOS."""
         if end_ids is None:
             end_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        self.warmup_examples = [
-            (self.tokenizer(p)["input_ids"], self.tokenizer(t, add_special_tokens=False)["input_ids"] + list(end_ids))
-            for p, t in examples
-        ]
+        self.warmup_examples = []
+        for prompt, target in examples:
+            segments = [(target, True)] if isinstance(target, str) else list(target)
+            ids, mask = [], []
+            for text, trained in segments:
+                piece = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids += piece
+                mask += [int(trained)] * len(piece)
+            self.warmup_examples.append((self.tokenizer(prompt)["input_ids"], ids + list(end_ids),
+                                         mask + [1] * len(end_ids)))
         return len(self.warmup_examples)
 
     def warmup(self, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
-        """Supervised steps on the loaded pairs; loss on target tokens only.
+        """Supervised steps on the loaded pairs; loss on the trained target tokens only.
 
         Every rank draws the same global batch from the same seed and trains on its slice, so
         all ranks take the same number of steps (each step is a collective).
@@ -99,8 +107,10 @@ class LearnerRank:
         self.engine.train()
         for _ in range(steps):
             batch = rng.sample(range(len(encoded)), batch_size)[self.rank * per_rank:(self.rank + 1) * per_rank]
-            ids, attention, mask = pad([encoded[i][0] + encoded[i][1] for i in batch],
-                                       [len(encoded[i][0]) for i in batch], self.pad_id, self.device)
+            starts = [len(encoded[i][0]) for i in batch]
+            ids, attention, mask = pad([encoded[i][0] + encoded[i][1] for i in batch], starts, self.pad_id,
+                                       self.device)
+            mask = model_tokens_only(mask, [encoded[i][2] for i in batch], starts)
             logprobs = token_logprobs(self.engine, ids, attention)
             loss = -(logprobs * mask).sum() / mask.sum()
             self.engine.backward(loss)

@@ -44,19 +44,34 @@ def pad(sequences: Sequence[Sequence[int]], completion_starts: Sequence[int], pa
 
 def flatten(groups: list, pad_id: int, device) -> Rollouts:
     """Every completion of every group as a row, in group order (advantages need whole groups)."""
-    seqs, starts, rewards, lengths, truncated, sampled = [], [], [], [], [], []
+    seqs, starts, rewards, lengths, truncated, sampled, own = [], [], [], [], [], [], []
     for g in groups:
         behaviour = getattr(g, "sampler_logprobs", None) or [None] * g.group_size
-        for ids, reason, reward, lps in zip(g.completion_ids, g.finish_reasons, g.rewards, behaviour):
+        loss_masks = getattr(g, "loss_masks", None) or [None] * g.group_size
+        for ids, reason, reward, lps, loss_mask in zip(g.completion_ids, g.finish_reasons, g.rewards, behaviour,
+                                                       loss_masks):
             seqs.append(list(g.prompt_ids) + list(ids))
             starts.append(len(g.prompt_ids))
             rewards.append(reward)
             lengths.append(len(ids))
             truncated.append(reason == "length")
             sampled.append(lps)
+            own.append(loss_mask)
     ids, attention, mask = pad(seqs, starts, pad_id, device)
+    mask = model_tokens_only(mask, own, starts)
     return Rollouts(ids, attention, mask, torch.tensor(rewards, dtype=torch.float32, device=device), lengths,
                     truncated, _sampler_logprobs(sampled, starts, mask), groups[0].group_size)
+
+
+def model_tokens_only(mask: torch.Tensor, own, starts) -> torch.Tensor:
+    """Episodes with tool results: only the tokens the sampler chose stay targets."""
+    if all(m is None for m in own):
+        return mask
+    keep = torch.ones_like(mask)
+    for i, (loss_mask, start) in enumerate(zip(own, starts)):
+        if loss_mask is not None:
+            keep[i, start - 1: start - 1 + len(loss_mask)] = torch.tensor(loss_mask, dtype=torch.bool)
+    return mask & keep.to(mask.device)
 
 
 def _sampler_logprobs(sampled, starts, mask) -> Optional[torch.Tensor]:

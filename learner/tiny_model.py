@@ -17,6 +17,9 @@ from pathlib import Path
 # The R1 layout tags are single tokens: it keeps completions short for a tiny model, and they are
 # ordinary (not "special") tokens so that vLLM's detokenizer keeps them in the text.
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
+# The tag format's tool call and result (rollout/tool_formats.py), single tokens for the same
+# reason. The vocabulary stays 272 rows, so the built-in model's weights are unchanged.
+TOOL_TAGS = ["<tool>", "</tool>", "<result>", "</result>"]
 SPECIALS = ["<pad>", "</s>"]
 # A ChatML-like chat format, so that the chat path (apply_chat_template, an end-of-turn token that
 # stops generation) runs for real on the built-in model. `<|im_end|>` is special: the detokenizer
@@ -40,7 +43,7 @@ def build_tokenizer():
         vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>",
         model_max_length=4096,
     )
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS])
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS + TOOL_TAGS])
     tokenizer.add_special_tokens({"additional_special_tokens": [
         AddedToken(t, special=True, normalized=False) for t in (TURN_START, TURN_END)]})
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -56,7 +59,7 @@ def tiny_model_dir(model_cfg, seed: int) -> Path:
         "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
         "num_heads": model_cfg.num_heads, "intermediate_size": model_cfg.intermediate_size,
         "max_position_embeddings": model_cfg.max_position_embeddings,
-        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS, "seed": seed,
+        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS + TOOL_TAGS, "seed": seed,
         "chat": CHAT_TEMPLATE,
     }
     if model_cfg.vocab_size:  # only when set: folders built before the option keep their names

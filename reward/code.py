@@ -10,7 +10,7 @@ import re
 from typing import Optional
 
 from reward.errors import VerifierTimeout
-from reward.sandbox import SandboxLimits, run_python
+from common.sandbox import SandboxLimits, run_python
 from reward.verifiers import extract_answer
 
 MAX_PROGRAM_CHARS = 100_000

@@ -66,7 +66,7 @@ class VerifierWorker:
         completion), then the summed stats: one return value each."""
         stats: Dict[str, Any] = {**self._stats(), "per_item/informative": []}
         restarts = self.scorer.restarts
-        items = [(g.prompt, c, g.answer, getattr(g, "fields", {}) or {}) for g in groups for c in g.completions]
+        items = [(g.prompt, c, g.answer, fields) for g in groups for c, fields in zip(g.completions, _fields(g))]
         outcomes = iter(self.scorer.score(items))
         for group in groups:
             mine = [next(outcomes) for _ in group.completions]
@@ -177,3 +177,13 @@ def summarize(stats: Mapping[str, float], names: Sequence[str]) -> Dict[str, flo
         out[f"pass/{name}"] = stats[f"pass_sum/{name}"] / n
         out[f"reward_timeouts/{name}"] = stats[f"timeouts/{name}"]
     return out
+
+
+def _fields(group) -> list:
+    """Each completion's row fields; an episode's also hold its `transcript` (model turns and
+    tool results), for verifiers that want more than the model's own text."""
+    fields = getattr(group, "fields", {}) or {}
+    transcripts = getattr(group, "transcripts", None)
+    if transcripts is None:
+        return [fields] * group.group_size
+    return [{**fields, "transcript": t} for t in transcripts]

@@ -17,15 +17,14 @@ and every other row field, one element each; they return a list of floats (None 
 """
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from typing import Any, Callable, Dict, Mapping, Sequence
 
 from common.config import RewardConfig
+from common.plugins import load_function
 from reward.code import code_score
 from reward.language import language_score, length_penalty, script_of
-from reward.sandbox import SandboxLimits
+from common.sandbox import SandboxLimits
 from reward.verifiers import format_score, math_score
 
 __all__ = ["BUILTIN", "build_verifiers", "check_settings", "combine", "load_custom", "sandbox_limits"]
@@ -46,22 +45,7 @@ def sandbox_limits(cfg: RewardConfig) -> SandboxLimits:
 
 
 def load_custom(path: str, search_path: Sequence[str] = ()) -> Callable[..., Any]:
-    """The function named by ``module:function`` (ValueError with one line if it is not one).
-    `search_path` folders go to the front of sys.path first (a `rewards.py` next to the user)."""
-    for folder in reversed(list(search_path)):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    module_name, sep, attr = str(path).partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"'{path}' is not of the form module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or whatever the module raises at import
-        raise ValueError(f"cannot import '{module_name}': {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"'{module_name}' has no function '{attr}'")
-    return fn
+    return load_function(path, search_path)
 
 
 def _custom_call(fn: Callable[..., Any]) -> Call:

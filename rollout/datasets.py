@@ -99,14 +99,24 @@ def _addition_problem(a: int, b: int) -> Problem:
     return Problem(prompt=f"{a}+{b}=", answer=str(a + b), solution=solve_addition(a, b))
 
 
+def _multiplication_problem(a: int, b: int) -> Problem:
+    """`a*b=`; its warm-up target is the bare answer (rollout/traces.py replaces it with a
+    calculator call when the run has the tool). `expression` is what a tool would compute."""
+    return Problem(prompt=f"{a}*{b}=", answer=str(a * b), solution=f"<think></think><answer>{a * b}</answer>",
+                   fields={"expression": f"{a}*{b}"})
+
+
+OPS = {"add": _addition_problem, "mul": _multiplication_problem}
+
+
 def _operand_range(digits: int) -> Tuple[int, int]:
     """Inclusive bounds of the numbers with exactly `digits` digits (1 digit: 0-9)."""
     return (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
 
 
 def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits: int,
-                        max_digits: int) -> Splits:
-    """(held-out, train) addition problems `a+b=` whose operands have min..max digits.
+                        max_digits: int, op: str = "add") -> Splits:
+    """(held-out, train) problems `a+b=` (or `a*b=` with op="mul") whose operands have min..max digits.
 
     Deterministic in `seed`; no (a, b) pair is in both lists. Small pair spaces (2-digit
     operands: 8100 pairs) are enumerated, shuffled, the first `heldout_size` held out and the
@@ -157,8 +167,8 @@ def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits
                 ordered.append(pair)
         heldout_pairs, train_pairs = ordered[:heldout_size], ordered[heldout_size:]
 
-    return Splits([_addition_problem(a, b) for a, b in heldout_pairs],
-                  [_addition_problem(a, b) for a, b in train_pairs])
+    make = OPS[op]
+    return Splits([make(a, b) for a, b in heldout_pairs], [make(a, b) for a, b in train_pairs])
 
 
 # --------------------------------------------------------------------------- files and datasets
@@ -372,7 +382,7 @@ def load_problems(data_cfg: "DataConfig", seed: int) -> Splits:
     evaluation = _eval_problems(data_cfg)
     if source == "arithmetic":
         heldout, train = arithmetic_problems(seed, 0 if evaluation else data_cfg.heldout_size, data_cfg.num_train,
-                                             data_cfg.min_digits, data_cfg.max_digits)
+                                             data_cfg.min_digits, data_cfg.max_digits, data_cfg.op)
         return Splits(evaluation or heldout, train)
     if source == "jsonl":
         if not data_cfg.path:

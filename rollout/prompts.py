@@ -72,7 +72,7 @@ def use_chat_template(setting: str, has_template: bool, conversational: bool, sy
 
 
 def render(problem: Problem, where: str, template: Optional[str], system_prompt: Optional[str], chat: bool,
-           tokenizer, prompt_key: str = "prompt") -> str:
+           tokenizer, prompt_key: str = "prompt", tools: Optional[list] = None) -> str:
     """The text the model sees for one row."""
     if problem.messages is not None:
         messages = list(problem.messages)
@@ -84,13 +84,16 @@ def render(problem: Problem, where: str, template: Optional[str], system_prompt:
         messages.insert(0, ("system", system_prompt))
     if not chat:
         return "\n\n".join(content for _, content in messages)
+    extra = {"tools": tools} if tools else {}  # the template lists them in its system turn
     return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **extra)
 
 
 def render_problems(problems: Sequence[Problem], label: str, template: Optional[str],
-                    system_prompt: Optional[str], chat: bool, tokenizer, prompt_key: str = "prompt") -> List[Problem]:
-    return [replace(p, prompt=render(p, f"{label} row {i}", template, system_prompt, chat, tokenizer, prompt_key))
+                    system_prompt: Optional[str], chat: bool, tokenizer, prompt_key: str = "prompt",
+                    tools: Optional[list] = None) -> List[Problem]:
+    return [replace(p, prompt=render(p, f"{label} row {i}", template, system_prompt, chat, tokenizer, prompt_key,
+                                     tools))
             for i, p in enumerate(problems, start=1)]
 
 
@@ -109,19 +112,26 @@ def stop_token_ids(model_path: str, tokenizer, chat: bool) -> List[int]:
     return sorted(set(ids))
 
 
-def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequence[Problem]]
+def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequence[Problem]], rollout_cfg=None
             ) -> Tuple[Dict[str, List[Problem]], Dict[str, Any]]:
     """Render every split; returns the rendered splits and what a run prints and saves: the
-    first training row as the model sees it, whether the chat template was used, the stops."""
+    first training row as the model sees it, whether the chat template was used, the stops.
+    With tools (`rollout_cfg.episodes`) the tool format is checked against the tokenizer, a
+    chat template lists the tools, and warm-up targets become tool-using traces."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     conversational = any(p.messages is not None for rows in splits.values() for p in rows)
     chat = use_chat_template(data_cfg.chat_template, bool(getattr(tokenizer, "chat_template", None)),
                              conversational, data_cfg.system_prompt, model_name)
+    fmt, schemas = _tool_setup(rollout_cfg, tokenizer, chat)
     rendered = {name: render_problems(rows, name, data_cfg.prompt_template, data_cfg.system_prompt, chat, tokenizer,
-                                      data_cfg.prompt_key)
+                                      data_cfg.prompt_key, schemas)
                 for name, rows in splits.items()}
+    if fmt is not None:
+        from rollout.traces import with_tool_traces
+
+        rendered = {name: with_tool_traces(rows, fmt, rollout_cfg.tools) for name, rows in rendered.items()}
     first = next((rows[0].prompt for rows in rendered.values() if rows), "")
     stops = stop_token_ids(model_path, tokenizer, chat)
     longest = max(((len(tokenizer(p.prompt)["input_ids"]), f"{name} row {i}")
@@ -131,3 +141,23 @@ def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequen
     return rendered, {"chat_template": chat, "first_prompt": first, "stop_token_ids": stops,
                       "turn_end_ids": turn_end or None,
                       "stop_tokens": tokenizer.convert_ids_to_tokens(stops), "longest_prompt": longest}
+
+
+def _tool_setup(rollout_cfg, tokenizer, chat: bool):
+    """The tool format for this tokenizer (a DataError if it cannot express it) and, for the
+    hermes format under a chat template, the tools' schemas for the template."""
+    if rollout_cfg is None or not rollout_cfg.episodes:
+        return None, None
+    from rollout.tool_formats import FormatError, make_format, tool_schemas
+
+    try:
+        fmt = make_format(rollout_cfg.tool_format, tokenizer)
+    except FormatError as error:
+        raise DataError(str(error)) from None
+    if fmt.name != "hermes" or not chat:
+        return fmt, None
+    from common.plugins import load_function
+
+    docs = {name: (load_function(path, [str(Path.cwd())]).__doc__ or "").strip()
+            for name, path in rollout_cfg.custom_tools.items()}
+    return fmt, tool_schemas(list(rollout_cfg.tools) + list(rollout_cfg.custom_tools), docs)

@@ -7,6 +7,7 @@ The payloads go from worker to learner without the driver ever fetching them.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.config import RolloutConfig
@@ -48,6 +49,23 @@ class GenerationWorker:
             cause = root_cause(self._stderr.text()) or f"{type(error).__name__}: {error}"
             raise EngineStartError(f"the vLLM engine did not start: {cause.splitlines()[0][:500]}") from None
         self.policy_version = 0
+        self.tools = self.format = None
+        if rollout_cfg.episodes:
+            self._start_tools()
+
+    def _start_tools(self) -> None:
+        from common.sandbox import SandboxLimits
+        from rollout.tool_formats import make_format
+        from rollout.tools import ToolBox
+
+        c = self.cfg
+        self.tokenizer = self.llm.get_tokenizer()
+        self.format = make_format(c.tool_format, self.tokenizer)
+        # The sandbox ends a slow program itself a little before the box stops waiting: cheaper
+        # than abandoning the call.
+        sandbox = SandboxLimits(timeout_s=max(c.tool_timeout_s - 0.25, 0.1))
+        self.tools = ToolBox(c.tools, c.custom_tools, c.tool_timeout_s, c.tool_max_output_chars, sandbox,
+                             search_path=[os.getcwd()])
 
     def _start_engine(self, model_path: str, kv_bytes, tp: int, seed: int):
         from vllm import LLM
@@ -87,17 +105,21 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def sampling_params(self, n: int, greedy: bool, seed: int, temperature: Optional[float] = None):
+    def sampling_params(self, n: int, greedy: bool, seed: int, temperature: Optional[float] = None,
+                        max_tokens: Optional[int] = None, final_only: bool = False):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         c = self.cfg
+        stop = list(c.stop) + (list(self.format.stop) if self.format is not None else [])
         return SamplingParams(
             n=n,
             temperature=0.0 if greedy else c.temperature if temperature is None else temperature,
             top_p=1.0 if greedy else c.top_p,
             top_k=0 if greedy else c.top_k,
-            max_tokens=c.max_new_tokens,
-            stop=list(c.stop) or None,
+            max_tokens=c.max_new_tokens if max_tokens is None else max_tokens,
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
+            stop=stop or None,
             stop_token_ids=list(c.stop_token_ids) or None,  # the chat format's end of turn
             include_stop_str_in_output=c.include_stop_str,
             seed=seed,
@@ -110,6 +132,8 @@ class GenerationWorker:
         prompt makes it reproducible whichever worker runs it. Returns the groups, then stats.
         `temperature` replaces rollout.temperature (evaluation samples at eval.temperature)."""
         version = self.policy_version  # weights change only between calls, never during one
+        if self.tools is not None:
+            return self._episodes(prompts, n, greedy, seeds, temperature, version)
         params = [self.sampling_params(n, greedy, seed, temperature) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
         groups: List[PromptGroup] = []
@@ -132,6 +156,41 @@ class GenerationWorker:
             "per_item/policy_version": [version] * len(groups),
         }
         return (*groups, stats)
+
+    def _episodes(self, prompts, n: int, greedy: bool, seeds: Sequence[int], temperature, version: int):
+        """`generate` with tools: n multi-turn episodes per prompt, all advancing together."""
+        from rollout.episodes import Episode, Limits, run_episodes
+
+        c = self.cfg
+        started = time.perf_counter()
+        episodes = [Episode(prompt_ids=self.tokenizer(p[1])["input_ids"], seed=None if greedy else seed * 1009 + j)
+                    for p, seed in zip(prompts, seeds) for j in range(n)]
+
+        def params(ep, turn: int, max_tokens: int):
+            seed = None if ep.seed is None else (ep.seed + 7919 * turn) % (2**31)
+            return self.sampling_params(1, greedy, seed, temperature, max_tokens, final_only=True)
+
+        limits = Limits(c.max_turns, c.max_new_tokens, c.completion_budget, c.max_model_len)
+        stats = run_episodes(self.llm.llm_engine, self.tokenizer, episodes, params, self.tools, self.format, limits,
+                             greedy)
+        groups: List[PromptGroup] = []
+        for k, (index, prompt, answer, fields) in enumerate(prompts):
+            mine = episodes[k * n:(k + 1) * n]
+            groups.append(PromptGroup(
+                index=index, prompt=prompt, answer=answer, fields=fields, prompt_ids=mine[0].prompt_ids,
+                completions=["".join(e.model_text) for e in mine], completion_ids=[e.ids for e in mine],
+                finish_reasons=[e.finish for e in mine], policy_version=version,
+                sampler_logprobs=None if greedy else [e.logprobs for e in mine],
+                loss_masks=[e.mask for e in mine], transcripts=["".join(e.transcript) for e in mine],
+            ))
+        out: Dict[str, Any] = {
+            "completions": float(len(episodes)),
+            "completion_tokens": float(sum(len(e.ids) for e in episodes)),
+            "per_item/policy_version": [version] * len(groups),
+            **stats,
+            "episode_seconds": time.perf_counter() - started,
+        }
+        return (*groups, out)
 
     def prompt_logprobs(self, prompts: Sequence[str]) -> List[List[float]]:
         """log p(token_t | tokens_<t) of each prompt's tokens after the first (for exactness tests)."""

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from reward.sandbox import SandboxLimits, run_python, sandbox_problem
+from common.sandbox import SandboxLimits, run_python, sandbox_problem
 
 LIMITS = SandboxLimits(timeout_s=5)
 

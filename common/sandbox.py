@@ -1,4 +1,5 @@
-"""Run untrusted Python (a model's program followed by a row's tests) in a throwaway sandbox.
+"""Run untrusted Python (a model's program followed by a row's tests, or a model's call of the
+`python` tool) in a throwaway sandbox.
 
 One call = one child process tree, built from Linux namespaces with util-linux's `unshare`:
 
@@ -61,6 +62,9 @@ class SandboxResult:
     error: str = ""
     """One line: the exception that stopped it, `timeout`, or how the process ended."""
     seconds: float = 0.0
+    output: str = ""
+    """What the program printed (stdout and stderr, in order), when the caller asked for it:
+    the first `capture_chars` characters, then a note of how many more there were."""
 
 
 # The code that runs inside the namespaces: PID 1 of the new PID namespace, root there (real
@@ -108,11 +112,34 @@ if os.getuid() == 0 and job["drop"]:
     os.setuid(65534)
     # a change of uid clears the parent-death signal that --kill-child set: arm it again
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-program, tests, nonce = job["program"], job["tests"], job["nonce"]
+program, tests, nonce, capture = job["program"], job["tests"], job["nonce"], job["capture"]
 del job
+class Capped:
+    """stdout/stderr kept in memory up to `capture` characters; the rest only counted (a flood
+    costs CPU time, which the rlimit bounds, never memory)."""
+    def __init__(self):
+        self.parts, self.kept, self.dropped = [], 0, 0
+    def write(self, text):
+        text = str(text)
+        room = capture - self.kept
+        if room > 0:
+            self.parts.append(text[:room])
+            self.kept += min(len(text), room)
+        self.dropped += max(len(text) - max(room, 0), 0)
+        return len(text)
+    def flush(self):
+        pass
+    def text(self):
+        more = "\n[... %d more characters]" % self.dropped if self.dropped else ""
+        return "".join(self.parts) + more
+out = Capped()
+if capture:
+    sys.stdout = sys.stderr = out
 def report(text):
+    if capture:
+        text = text + "\n" + out.text()
     try:
-        os.write(fd, text.encode("utf-8", "replace")[:4096])
+        os.write(fd, text.encode("utf-8", "replace")[:4096 + 4 * capture])
     except OSError:
         pass
 scope = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -121,6 +148,8 @@ try:
     exec(compile(tests, "tests.py", "exec"), scope)
 except BaseException as exc:
     line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    if capture:
+        out.write(line + "\n")
     report("error " + line[:300])
     os._exit(1)
 report("ok " + nonce)
@@ -179,8 +208,10 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `program` then `tests` (Python source, assertions) in one sandboxed interpreter."""
+def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits(),
+               capture_chars: int = 0) -> SandboxResult:
+    """Run `program` then `tests` (Python source, assertions) in one sandboxed interpreter.
+    `capture_chars` > 0 keeps that much of what it prints, in `SandboxResult.output`."""
     start = time.monotonic()
     as_root = os.getuid() == 0
     nonce = secrets.token_hex(16)
@@ -190,7 +221,7 @@ def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits()
         "program": program, "tests": tests, "nonce": nonce, "fd": write_fd,
         "cpu_s": max(1, int(limits.timeout_s + 0.999)), "memory_mb": limits.memory_mb,
         "file_mb": limits.max_file_mb, "nproc": limits.max_processes,
-        "hide": hidden, "keep": _kept_paths(hidden), "drop": as_root,
+        "hide": hidden, "keep": _kept_paths(hidden), "drop": as_root, "capture": int(capture_chars),
     }
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp/work",
            "PYTHONDONTWRITEBYTECODE": "1"}
@@ -215,24 +246,25 @@ def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits()
         except BrokenPipeError:
             proc.wait(timeout=limits.timeout_s)
         report = _read_report(read_fd)
+        report, _, output = report.partition("\n") if capture_chars else (report, "", "")
     finally:
         os.close(read_fd)
         if proc.poll() is None:
             _kill(proc)
     seconds = time.monotonic() - start
     if timed_out:
-        return SandboxResult(False, True, "timeout", seconds)
+        return SandboxResult(False, True, "timeout", seconds, output)
     if proc.returncode == 0 and report == f"ok {nonce}":
-        return SandboxResult(True, False, "", seconds)
+        return SandboxResult(True, False, "", seconds, output)
     if report.startswith("error "):
-        return SandboxResult(False, False, report[6:].splitlines()[0][:300], seconds)
+        return SandboxResult(False, False, report[6:].splitlines()[0][:300], seconds, output)
     if proc.returncode and proc.returncode < 0:
         error = f"killed by {signal.Signals(-proc.returncode).name}"
     elif proc.returncode and proc.returncode > 128:
         error = f"killed by signal {proc.returncode - 128}"
     else:
         error = f"exited with status {proc.returncode} before the tests finished"
-    return SandboxResult(False, False, error, seconds)
+    return SandboxResult(False, False, error, seconds, output)
 
 
 def sandbox_problem() -> Optional[str]:
