@@ -42,6 +42,7 @@ class Observation:
     """The call could not run (malformed, unknown tool, raised, timed out)."""
     timed_out: bool = False
     seconds: float = 0.0
+    """How long the tool ran (a call that timed out: until it was given up)."""
 
 
 class ToolError(Exception):
@@ -72,7 +73,7 @@ def calculator(expression: Arguments) -> str:
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
-        raise ToolError(f"cannot parse {text!r}") from None
+        raise ToolError(f"cannot parse {text[:40]!r}") from None
     value = _value(tree.body)
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
@@ -93,7 +94,7 @@ def _value(node: ast.AST) -> Fraction:
         if max(len(str(abs(result.numerator))), len(str(result.denominator))) > MAX_RESULT_DIGITS:
             raise ToolError(f"result longer than {MAX_RESULT_DIGITS} digits")
         return result
-    raise ToolError(f"only numbers and + - * / // % ** ( ) are allowed (found {type(node).__name__})")
+    raise ToolError(f"not arithmetic: {type(node).__name__}")
 
 
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
@@ -160,7 +161,7 @@ class ToolBox:
         if name not in self.tools:
             known = ", ".join(self.names)
             return Call(None, time.monotonic(), self.timeout_s, f"unknown tool {name!r} (tools: {known})")
-        return Call(self.pool.submit(self.tools[name], arguments), time.monotonic(), self.timeout_s)
+        return Call(self.pool.submit(_timed, self.tools[name], arguments), time.monotonic(), self.timeout_s)
 
     def malformed(self, error: str) -> "Call":
         """A call that could not be parsed: its observation is the error, at once."""
@@ -180,6 +181,16 @@ class ToolBox:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _timed(tool: Callable[[Arguments], str], arguments: Arguments):
+    """The tool's result and the seconds it ran (not counting the wait for a free thread)."""
+    started = time.monotonic()
+    try:
+        return tool(arguments), time.monotonic() - started
+    except Exception as exc:
+        exc.seconds = time.monotonic() - started
+        raise
+
+
 class Call:
     """One tool call in flight."""
 
@@ -192,7 +203,7 @@ class Call:
     def observation(self, max_chars: int, force: bool = False) -> Observation:
         seconds = time.monotonic() - self.started
         if self.future is None:
-            return Observation(f"error: {self.error}", error=True, seconds=seconds)
+            return Observation(f"error: {self.error}", error=True)
         if not self.future.done():
             if not force and time.monotonic() < self.deadline:
                 raise RuntimeError("observation() of a call still within its time")
@@ -200,12 +211,13 @@ class Call:
             return Observation(f"error: timed out after {self.deadline - self.started:g} s", error=True,
                                timed_out=True, seconds=seconds)
         try:
-            text = self.future.result()
+            text, seconds = self.future.result()
         except ToolError as exc:
             timed_out = str(exc).startswith("timed out")
-            return Observation(f"error: {exc}", error=True, timed_out=timed_out, seconds=seconds)
+            return Observation(f"error: {exc}", error=True, timed_out=timed_out, seconds=getattr(exc, "seconds", 0.0))
         except Exception as exc:  # a tool that raises: the model sees the error, the batch goes on
-            return Observation(f"error: {type(exc).__name__}: {str(exc)[:200]}", error=True, seconds=seconds)
+            return Observation(f"error: {type(exc).__name__}: {str(exc)[:200]}", error=True,
+                               seconds=getattr(exc, "seconds", 0.0))
         if len(text) > max_chars:
             text = text[:max_chars] + f"\n[... {len(text) - max_chars} more characters]"
         return Observation(text, seconds=seconds)
