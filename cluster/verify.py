@@ -1,7 +1,9 @@
 """`grpo verify`: score a file of completions with the same verifier pool that training uses.
 
 Input: JSON lines ``{"prompt", "completion", "answer", ...}`` (plus ``tests`` for `code`, any
-other field for custom verifiers). Output: the same lines, each with ``scores`` (verifier ->
+other field for custom verifiers). An episode with tools may come as ``"transcript": [{"role":
+"assistant" | "tool", "content"}, ...]`` instead of a completion: it is scored as training
+scores it (the assistant's turns as the completion, the whole episode as the `transcript` field). Output: the same lines, each with ``scores`` (verifier ->
 float), ``reward`` (the weighted sum) and ``timed_out`` (verifier names). Every row is checked
 before Ray starts; the output is written to a temporary file and renamed, so a failed run never
 leaves half a file where the user expects a whole one.
@@ -56,6 +58,8 @@ def read_rows(path: str, verifiers: Sequence[str]) -> List[Dict[str, Any]]:
             if clash:
                 raise VerifyInputError(f"{where}: field '{clash[0]}' is an output field "
                                        f"(is this already a scored file?)")
+            if isinstance(row.get("transcript"), list):
+                row = _from_transcript(row, where)
             _text(row, "completion", where, required=True)
             _text(row, "prompt", where, required=True)
             _text(row, "answer", where, required="math" in verifiers)
@@ -66,6 +70,22 @@ def read_rows(path: str, verifiers: Sequence[str]) -> List[Dict[str, Any]]:
     if "code" in verifiers and not any(row.get("tests") for row in rows):
         raise VerifyInputError(f"{path}: no row has a 'tests' field, which the code verifier runs")
     return rows
+
+
+def _from_transcript(row: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """A row that holds an episode as a list of `{"role", "content"}` messages (assistant turns
+    and tool results): scored as training scores it, the assistant's text as the completion
+    and the whole episode, joined, as the `transcript` field."""
+    messages = row["transcript"]
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                or message.get("role") not in ("assistant", "tool"):
+            raise VerifyInputError(f"{where}: transcript message {i} must be "
+                                   '{"role": "assistant" or "tool", "content": "..."}')
+    if "completion" in row:
+        raise VerifyInputError(f"{where}: give a 'completion' or a transcript of messages, not both")
+    return {**row, "completion": "".join(m["content"] for m in messages if m["role"] == "assistant"),
+            "transcript": "".join(m["content"] for m in messages)}
 
 
 def _item(row: Dict[str, Any]) -> Tuple[str, str, str, Dict[str, Any]]:

@@ -206,6 +206,9 @@ def test_ctrl_c_lets_everything_go(tmp_path, model_cache):
     (["data.chat_template=maybe"], ["data.chat_template", "maybe"]),
     (["data.eval_split=test"], ["data.eval_split"]),
     (["eval.n=2", "eval.k=[4]"], ["eval.k"]),
+    (["rollout.tools=[search]"], ["rollout.tools", "search", "calculator"]),
+    (["rollout.tools=[calculator]", "rollout.max_turns=0"], ["rollout.max_turns"]),
+    (["+rollout.custom_tools.search=no_such_module:search"], ["rollout.custom_tools.search", "no_such_module"]),
 ])
 def test_bad_prompt_settings_exit_2_before_any_actor(tmp_path, model_cache, overrides, words):
     result = run(GRPO, "train", f"model.cache_dir={model_cache}", f"trainer.output_dir={tmp_path}", "logger=none",

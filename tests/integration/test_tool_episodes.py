@@ -8,12 +8,15 @@ by the generation worker as in training, and what comes back is checked.
 """
 from __future__ import annotations
 
+import ast
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+
+from common.sandbox import _hidden_paths, _kept_paths
 
 HOME = os.path.realpath(os.path.expanduser("~"))
 SECRET_FILE = f"/tmp/gs{os.getpid()}"
@@ -134,9 +137,11 @@ def test_hostile_tool_calls_are_contained_by_the_sandbox(worker):
     for prompt, group in zip(prompts, groups):  # the model really wrote each call
         assert group.completions[0].startswith(f"<think><tool>python: {cases()[prompt][1]}</tool>"), prompt
     assert seen["h1="].startswith("error: timed out")                          # a busy loop
-    assert seen["h2="].startswith("error:")                                    # a fork bomb
+    assert seen["h2="].startswith(("error:", "BlockingIOError"))               # a fork bomb: stopped
     assert "FileNotFoundError" in seen["h3="] and "hunter2" not in seen["h3="]  # /tmp is empty in there
-    assert seen["h4="].strip() == "[]"                                         # so is the caller's home
+    # the caller's home is empty but for the interpreter's own folder when it lives there (pyenv)
+    interpreter = [os.path.relpath(p, HOME).split("/")[0] for p in _kept_paths(_hidden_paths())]
+    assert ast.literal_eval(seen["h4="].strip()) == interpreter
     assert "GRPO_SECRET" not in seen["h5="] and "PATH" in seen["h5="]          # a clean environment
     assert "Error" in seen["h6="]                                              # no network
     assert seen["h7="].startswith("x" * 100) and "more characters]" in seen["h7="]  # 1 GB, cut

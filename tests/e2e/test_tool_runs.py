@@ -1,0 +1,46 @@
+"""Runs with tools as a user starts them: a format the tokenizer cannot express, and a tool run
+that composes with async mode, DAPO's dynamic sampling, checkpoints and resume (bad tool settings:
+tests/e2e/test_cli.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+from helpers import GRPO, run, small_overrides
+
+
+def test_a_tool_format_the_tokenizer_cannot_express_exits_2(tmp_path, system_cfg):
+    """hermes results go back through the chat template: a model without one cannot use it."""
+    model = tmp_path / "no-template"
+    shutil.copytree(system_cfg.model.path, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "runs"
+    result = run(GRPO, "train", "model=hf", f"model.path={model}", f"trainer.output_dir={out}", "logger=none",
+                 "rollout.tools=[calculator]", "rollout.tool_format=hermes", timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.tool_format=hermes" in lines[0] and "chat template" in lines[0]
+    assert not out.exists()
+
+
+def test_a_tool_run_composes_with_async_dynamic_sampling_and_resume(tmp_path, model_cache):
+    """Episodes in async batches, with dynamic sampling, checkpointed every step; the run then
+    continues from its checkpoint (the batch generated ahead is thrown away and made again,
+    never half-trained)."""
+    overrides = small_overrides(model_cache, str(tmp_path)) + [
+        "data=mul", "rollout.tools=[calculator]", "trainer.mode=async", "algo.dynamic_sampling=true",
+        "trainer.save_every=1", "trainer.run_name=tools", "trainer.eval_every=0", "warmup.steps=30"]
+    first = run(GRPO, "train", *overrides, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = run(GRPO, "train", *overrides, "trainer.max_steps=3", "trainer.resume=auto")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    rows = [json.loads(line) for line in (tmp_path / "tools" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["turns_mean"] >= 1 and row["tool_calls_mean"] > 0
+        assert 0 < row["observation_token_fraction"] < 1
+        assert "sampling_rounds" in row and row["staleness_max"] <= 1
