@@ -45,6 +45,8 @@ class Batch:
     reward_stats: Dict[str, Any]
     metrics: Dict[str, float]
     times: Dict[str, float]
+    restarts: List[dict] = field(default_factory=list)
+    """Generation actors that died while making this batch: actor, cause, seconds to recover."""
     sampler_state: Dict[str, int] = field(default_factory=dict)
     """The prompt sampler's state before this batch was drawn (a checkpoint taken before this
     batch is trained resumes from here, so no prompt is lost or repeated)."""
@@ -65,6 +67,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     kept: List[tuple] = []
     spare: List[tuple] = []
     totals: Dict[str, Any] = {}
+    restarts: List[dict] = []
     gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
                                     **{key: 0.0 for key in TOOL_STATS}}
     for round_ in range(rounds):
@@ -75,6 +78,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         informative = stats.pop("per_item/informative")
         totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
         gen["rollout_actor_restarts"] = gen.get("actor_restarts", 0.0)
+        restarts += gen.get("restart_events", [])
         gen_totals = {k: gen_totals[k] + gen.get(k, 0.0) for k in gen_totals}
         rows = list(zip(scored, batch, gen["per_item/policy_version"], informative))
         if not cfg.algo.dynamic_sampling or items is not None:
@@ -91,7 +95,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
                         "sampling_rounds": float(round_ + 1)})
         kept = (kept + spare[:filled])[:size]
     return Batch(refs=[r[0] for r in kept], items=[r[1] for r in kept], versions=[r[2] for r in kept],
-                 reward_stats=totals, metrics=metrics, times=timer.times, sampler_state=state)
+                 reward_stats=totals, metrics=metrics, times=timer.times, restarts=restarts, sampler_state=state)
 
 
 TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_wait_seconds",
@@ -146,6 +150,7 @@ def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles,
             batch.times[key] = batch.times.get(key, 0.0) + value
         for key in ("completions", "completion_tokens", "rollout_actor_restarts"):
             batch.metrics[key] += fresh.metrics[key]
+        batch.restarts += fresh.restarts
     staleness = [version - v for v in batch.versions]
     return {"staleness_max": float(max(staleness)), "staleness_mean": sum(staleness) / len(staleness),
             "dropped_stale": float(len(stale))}

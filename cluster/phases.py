@@ -65,7 +65,11 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
             sync_metrics = roles.channel.push(version + 1)
     rewards = summarize(batch.reward_stats, cfg.reward.verifiers)
     # Verifier and generation actors: restarted while generating, or found dead by the push.
+    verifier_restarts = rewards["actor_restarts"]
     rewards["actor_restarts"] += batch.metrics["rollout_actor_restarts"] + sync_metrics.pop("sync_worker_restarts", 0.0)
+    restarts = [{"role": "generation worker", **e} for e in batch.restarts + sync_metrics.pop("restart_events", [])]
+    if verifier_restarts:
+        restarts.append({"role": "verifier", "actor": -1, "cause": "restarted by Ray, its call re-run", "seconds": None})
     step_seconds = time.perf_counter() - started
     generate_seconds = batch.times.get("time_generate", 0.0)
     return {
@@ -83,7 +87,16 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         **batch.times,
         **timer.times,
         "time_step": step_seconds,
+        "restart_events": restarts,
     }
+
+
+def restart_line(step: int, event: dict) -> str:
+    """One line per actor that died and came back (printed by the driver, not logged)."""
+    who = event["role"] + (f" {event['actor']}" if event.get("actor", -1) >= 0 else "")
+    during = f" during {event['during']}" if event.get("during") else ""
+    back = f"; back in {event['seconds']:.1f} s" if event.get("seconds") is not None else ""
+    return f"step {step}: {who} died{during}: {event['cause']}{back}"
 
 
 def make_batches(cfg: Config, roles: Roles, sampler, first_step: int):

@@ -6,11 +6,13 @@ that does not finish within `sync.timeout_s` raises instead of hanging the run.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict
 
 import ray
 
 from common.dispatch import call_when_up
+from common.ray_utils import death_cause
 
 
 DEATH_WAIT_S = 10.0
@@ -74,11 +76,21 @@ class WeightSyncChannel:
             # A generation actor died during the push: Ray restarts it (a fresh engine); the
             # sender leaves the broken group (the survivors' pending receives fail at once),
             # every worker re-joins and the push runs again, once.
+            started = time.monotonic()
             ray.get(self.learner.rank0.leave_weight_sync.remote())
             for w in self.rollout.workers:
                 call_when_up(w.ready, self.timeout_s)
             self._join()
-            return {**self._push(version), "sync_worker_restarts": 1.0}
+            metrics = self._push(version)
+            event = {"actor": self._worker_index(error.__cause__), "cause": death_cause(error.__cause__),
+                     "seconds": time.monotonic() - started, "during": "the weight push"}
+            return {**metrics, "sync_worker_restarts": 1.0, "restart_events": [event]}
+
+    def _worker_index(self, cause) -> int:
+        actor_id = getattr(cause, "actor_id", None)
+        actor_id = actor_id.hex() if isinstance(actor_id, bytes) else actor_id
+        ids = [w._actor_id.hex() for w in self.rollout.workers]
+        return ids.index(actor_id) if actor_id in ids else -1
 
     def _worker_died(self, error: WeightSyncError) -> bool:
         cause = error.__cause__

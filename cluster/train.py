@@ -63,7 +63,7 @@ def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) ->
 
 def run_steps(run: Run, first_step: int, heldout) -> None:
     """The GRPO steps: each one logged, evaluated and checkpointed as configured."""
-    from cluster.phases import grpo_step, injected_fault, make_batches, resume_hint
+    from cluster.phases import grpo_step, injected_fault, make_batches, restart_line, resume_hint
     from cluster.sync_channel import WeightSyncError
     from learner.group import LearnerError
 
@@ -78,6 +78,8 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
             # to go on.
             raise type(error)(f"{error} at step {step}; the run stopped. " + resume_hint(cfg, run.run_dir)) from error
         run.version = row["policy_version"]
+        for event in row.pop("restart_events"):
+            run.say(restart_line(step, event))
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             row.update(periodic_eval(run, heldout))
         row["wall_seconds"] = time.time() - run.started  # since the job started: the gaps between steps show

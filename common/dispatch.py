@@ -17,6 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
+from common.ray_utils import death_cause
+
 Submit = Callable[[Any, List[Any]], List[ray.ObjectRef]]
 """submit(actor, items) -> refs: one per item, then one to the chunk's stats."""
 
@@ -35,7 +37,8 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
     With `on_failure`, a chunk whose actor died is handed out again once `on_failure(actor
     index)` returns (it waits for the restarted actor and readies it); its results are then
     those of the re-run only, so every item is done exactly once. `actor_restarts` counts them.
-    Without it the actor's error is raised. `on_done(positions, refs)` is called as each chunk
+    Each restart is also described in `restart_events` (actor index, cause, seconds until the
+    actor was back and ready). Without it the actor's error is raised. `on_done(positions, refs)` is called as each chunk
     completes (the next stage can start on it while the others still run)."""
     n = len(items)
     out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
@@ -53,11 +56,14 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
         a, chunk, refs = running.pop(done[0])
         try:
             chunk_stats = ray.get(done[0])
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayActorError as error:
             if on_failure is None:
                 raise
+            started = time.monotonic()
             on_failure(a)
             stats["actor_restarts"] = stats.get("actor_restarts", 0.0) + 1
+            stats.setdefault("restart_events", []).append(
+                {"actor": a, "cause": death_cause(error), "seconds": time.monotonic() - started})
             queue.appendleft(chunk)
             idle.append(a)
             continue

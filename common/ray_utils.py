@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 
@@ -36,3 +37,18 @@ def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = 
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     return None
+
+
+def death_cause(error: BaseException) -> str:
+    """What Ray says killed an actor, in a few words (its own message is many lines and lists
+    every possible cause, out-of-memory first, even for a plain kill)."""
+    text = str(error)
+    if "memory monitor" in text or "OutOfMemoryError" in text or "OOM" in text.split("root causes")[0]:
+        return "out of memory (Ray's memory monitor killed it)"
+    detail = re.search(r"Worker exit detail: ([^\n]*)", text)
+    if detail:
+        line = detail.group(1).strip()
+        if "connection error" in line or "End of file" in line:
+            return "its process ended without a word (a kill signal or a crash)"
+        return line.split(". ")[0][:160]
+    return type(error).__name__

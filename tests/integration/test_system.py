@@ -8,7 +8,7 @@ import torch
 from cluster.batches import SyncBatches
 from cluster.buffer import RolloutBuffer
 from common.prompt_group import PromptGroup
-from cluster.phases import grpo_step, warm_up
+from cluster.phases import grpo_step, restart_line, warm_up
 from common.config import WarmupConfig
 from cluster.roles import evaluate
 from rollout.datasets import PromptSampler, load_problems
@@ -181,6 +181,11 @@ def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_l
     killer.join()
     assert ray.get(victim.pid.remote()) != old_pid, "the actor was not restarted"
     assert sum(r["actor_restarts"] for r in rows) >= 1
+    # the driver's one line per restart: which actor, when, why, how long until it was back
+    events = [(step, e) for step, r in enumerate(rows, start=1) for e in r["restart_events"]]
+    assert [e["actor"] for _, e in events] == [1], events
+    line = restart_line(*events[0])
+    assert line.startswith(f"step {events[0][0]}: generation worker 1 died") and " s" in line.split("back in")[1]
     assert roles.rollout.versions() == [version, version]
     seen = []
     for learner_version, refs in zip(versions, buffer.taken):

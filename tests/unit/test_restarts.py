@@ -1,0 +1,29 @@
+"""The driver's one line per actor restart, and the cause read out of Ray's error."""
+from __future__ import annotations
+
+from cluster.phases import restart_line
+from common.ray_utils import death_cause
+
+KILLED = """The actor died unexpectedly before finishing this task.
+	class_name: GenerationWorker
+	actor_id: 5e1
+	pid: 9686
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file. There are some potential root causes. (1) The process is killed by SIGKILL by OOM killer due to high memory usage. (2) ray stop --force is called. (3) The worker is crashed unexpectedly due to SIGSEGV or other unexpected errors."""
+
+OOM = """The actor died unexpectedly. Task was killed due to the node running low on memory.
+Memory on the node was 23.1GB / 24GB (0.96), which exceeds the memory usage threshold. Ray killed this worker because the memory monitor found the node low on memory."""
+
+
+def test_a_plain_kill_is_not_reported_as_out_of_memory():
+    assert death_cause(RuntimeError(KILLED)) == "its process ended without a word (a kill signal or a crash)"
+    assert death_cause(RuntimeError(OOM)) == "out of memory (Ray's memory monitor killed it)"
+    assert death_cause(ValueError("something else")) == "ValueError"
+
+
+def test_one_line_names_the_role_the_step_the_cause_and_the_recovery_time():
+    event = {"role": "generation worker", "actor": 1, "cause": "out of memory", "seconds": 41.73,
+             "during": "the weight push"}
+    assert restart_line(7, event) == ("step 7: generation worker 1 died during the weight push: out of memory; "
+                                      "back in 41.7 s")
+    verifier = {"role": "verifier", "actor": -1, "cause": "restarted by Ray, its call re-run", "seconds": None}
+    assert restart_line(3, verifier) == "step 3: verifier died: restarted by Ray, its call re-run"
