@@ -67,6 +67,8 @@ def show_prompt(run_dir: Path, prompts: Dict[str, object], started: float) -> No
     shown = text if len(text) <= 600 else text[:600] + f"... ({len(text)} characters)"
     say(f"the first training prompt as the model sees it ({how}; a completion stops at {stops}):\n"
         f"{shown}\n---", started)
+    if prompts.get("tools"):
+        say(prompts["tools"], started)
 
 
 def check_inputs(cfg: Config, train_set) -> None:

@@ -140,7 +140,18 @@ def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequen
     turn_end = [vocab[t] for t in END_OF_TURN if t in vocab][:1] if chat else []
     return rendered, {"chat_template": chat, "first_prompt": first, "stop_token_ids": stops,
                       "turn_end_ids": turn_end or None,
-                      "stop_tokens": tokenizer.convert_ids_to_tokens(stops), "longest_prompt": longest}
+                      "stop_tokens": tokenizer.convert_ids_to_tokens(stops), "longest_prompt": longest,
+                      "tools": _tools_note(rollout_cfg, fmt)}
+
+
+def _tools_note(rollout_cfg, fmt) -> Optional[str]:
+    """How episodes run, for the start of the run's output (None without tools)."""
+    if fmt is None:
+        return None
+    names = ", ".join(list(rollout_cfg.tools) + list(rollout_cfg.custom_tools))
+    example = fmt.call_text("NAME", "ARGUMENTS" if fmt.name == "tag" else {"...": "..."})
+    return (f"tools: {names}; a call is written {example}; up to {rollout_cfg.max_turns} turns and "
+            f"{rollout_cfg.completion_budget} tokens per episode")
 
 
 def _tool_setup(rollout_cfg, tokenizer, chat: bool):
