@@ -51,4 +51,8 @@ def death_cause(error: BaseException) -> str:
         if "connection error" in line or "End of file" in line:
             return "its process ended without a word (a kill signal or a crash)"
         return line.split(". ")[0][:160]
+    if "ray.kill" in text:
+        return "killed with ray.kill"
+    if type(error).__name__ == "ActorUnavailableError":
+        return "its process stopped answering (killed or crashed)"
     return type(error).__name__

@@ -27,3 +27,10 @@ def test_one_line_names_the_role_the_step_the_cause_and_the_recovery_time():
                                       "back in 41.7 s")
     verifier = {"role": "verifier", "actor": -1, "cause": "restarted by Ray, its call re-run", "seconds": None}
     assert restart_line(3, verifier) == "step 3: verifier died: restarted by Ray, its call re-run"
+
+
+def test_an_actor_found_unreachable_is_described_not_named_by_class():
+    import ray
+
+    error = ray.exceptions.ActorUnavailableError("The actor 5e1 is unavailable: connection refused", b"\x00" * 16)
+    assert death_cause(error) == "its process stopped answering (killed or crashed)"
