@@ -185,7 +185,6 @@ def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_l
     events = [(step, e) for step, r in enumerate(rows, start=1) for e in r["restart_events"]]
     assert [e["actor"] for _, e in events] == [1], events
     line = restart_line(*events[0])
-    print(line)
     assert line.startswith(f"step {events[0][0]}: generation worker 1 died") and " s" in line.split("back in")[1]
     assert roles.rollout.versions() == [version, version]
     seen = []
