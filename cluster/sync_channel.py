@@ -73,6 +73,7 @@ class WeightSyncChannel:
             except WeightSyncError as error:
                 if not self._worker_died(error):
                     raise
+                died = error.__cause__  # `error` itself is unbound once the except clause ends
             # A generation actor died during the push: Ray restarts it (a fresh engine); the
             # sender leaves the broken group (the survivors' pending receives fail at once),
             # every worker re-joins and the push runs again, once.
@@ -82,7 +83,7 @@ class WeightSyncChannel:
                 call_when_up(w.ready, self.timeout_s)
             self._join()
             metrics = self._push(version)
-            event = {"actor": self._worker_index(error.__cause__), "cause": death_cause(error.__cause__),
+            event = {"actor": self._worker_index(died), "cause": death_cause(died),
                      "seconds": time.monotonic() - started, "during": "the weight push"}
             return {**metrics, "sync_worker_restarts": 1.0, "restart_events": [event]}
 

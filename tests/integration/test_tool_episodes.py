@@ -82,8 +82,9 @@ def worker(tool_model):
 
     Path(SECRET_FILE).write_text("hunter2")
     os.environ["GRPO_SECRET"] = "hunter2"  # the engine runs in this process: the tools inherit it
+    # 6 s: a gigabyte of output takes about 1.5 s alone, more beside a busy test suite
     cfg = RolloutConfig(tools=["calculator", "python"], max_turns=2, max_new_tokens=80, max_model_len=128,
-                        kv_cache_gib=0.25, tool_timeout_s=2.0, tool_max_output_chars=100,
+                        kv_cache_gib=0.25, tool_timeout_s=6.0, tool_max_output_chars=100,
                         enforce_eager=True, dtype="float32")
     worker = GenerationWorker(tool_model, cfg, seed=0)
     yield worker
