@@ -38,7 +38,8 @@ def resolve_model(cfg: Config) -> str:
         return local if looks_local else path
     from learner.tiny_model import build_tiny_model
 
-    folder = build_tiny_model(cfg.model, cfg.trainer.seed)
+    tool_tags = cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed, tool_tags)
     check_model_length(cfg, folder)
     return folder
 

@@ -18,7 +18,8 @@ from pathlib import Path
 # ordinary (not "special") tokens so that vLLM's detokenizer keeps them in the text.
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 # The tag format's tool call and result (rollout/tool_formats.py), single tokens for the same
-# reason. The vocabulary stays 272 rows, so the built-in model's weights are unchanged.
+# reason; only in the model built for runs with tools in that format (adding them to every
+# build changed what the default job learns: the default model stays as it was).
 TOOL_TAGS = ["<tool>", "</tool>", "<result>", "</result>"]
 SPECIALS = ["<pad>", "</s>"]
 # A ChatML-like chat format, so that the chat path (apply_chat_template, an end-of-turn token that
@@ -33,7 +34,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(tool_tags: bool = False):
     from tokenizers import AddedToken, pre_tokenizers
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
@@ -43,7 +44,7 @@ def build_tokenizer():
         vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>",
         model_max_length=4096,
     )
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS + TOOL_TAGS])
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS + (TOOL_TAGS if tool_tags else [])])
     tokenizer.add_special_tokens({"additional_special_tokens": [
         AddedToken(t, special=True, normalized=False) for t in (TURN_START, TURN_END)]})
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -54,12 +55,12 @@ def _vocab_size(tokenizer) -> int:
     return (len(tokenizer) + 15) // 16 * 16  # padded for friendlier kernels; extra rows unused
 
 
-def tiny_model_dir(model_cfg, seed: int) -> Path:
+def tiny_model_dir(model_cfg, seed: int, tool_tags: bool = False) -> Path:
     spec = {
         "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
         "num_heads": model_cfg.num_heads, "intermediate_size": model_cfg.intermediate_size,
         "max_position_embeddings": model_cfg.max_position_embeddings,
-        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS + TOOL_TAGS, "seed": seed,
+        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS + (TOOL_TAGS if tool_tags else []), "seed": seed,
         "chat": CHAT_TEMPLATE,
     }
     if model_cfg.vocab_size:  # only when set: folders built before the option keep their names
@@ -68,9 +69,9 @@ def tiny_model_dir(model_cfg, seed: int) -> Path:
     return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-qwen2-{digest}"
 
 
-def build_tiny_model(model_cfg, seed: int = 0) -> str:
+def build_tiny_model(model_cfg, seed: int = 0, tool_tags: bool = False) -> str:
     """Build (once) and return the folder of the built-in model."""
-    folder = tiny_model_dir(model_cfg, seed)
+    folder = tiny_model_dir(model_cfg, seed, tool_tags)
     if (folder / "config.json").exists():
         return str(folder)
     import torch
@@ -79,7 +80,7 @@ def build_tiny_model(model_cfg, seed: int = 0) -> str:
 
     hf_logging.disable_progress_bar()  # a one-time build needs no progress bar in the CLI's output
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tool_tags)
     config = Qwen2Config(
         vocab_size=max(model_cfg.vocab_size, _vocab_size(tokenizer)),
         hidden_size=model_cfg.hidden_size,

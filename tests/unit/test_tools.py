@@ -89,7 +89,7 @@ def test_a_tool_format_the_tokenizer_cannot_express_is_refused():
 
 
 def test_the_built_in_tokenizer_writes_tool_tags_as_single_tokens():
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tool_tags=True)
     for tag in ("<tool>", "</tool>", "<result>", "</result>"):
         assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1
 
