@@ -27,7 +27,7 @@ from reward.language import language_score, length_penalty, script_of
 from common.sandbox import SandboxLimits
 from reward.verifiers import format_score, math_score
 
-__all__ = ["BUILTIN", "build_verifiers", "check_settings", "combine", "load_custom", "sandbox_limits"]
+__all__ = ["BUILTIN", "build_verifiers", "check_settings", "combine", "sandbox_limits"]
 
 Call = Callable[[str, str, str, Mapping[str, Any]], float]
 
@@ -42,10 +42,6 @@ def sandbox_limits(cfg: RewardConfig) -> SandboxLimits:
     """The code sandbox's limits from the reward section."""
     return SandboxLimits(timeout_s=max(cfg.timeout_s - SANDBOX_MARGIN_S, 0.1), memory_mb=cfg.sandbox_memory_mb,
                          max_file_mb=cfg.sandbox_max_file_mb, max_processes=cfg.sandbox_max_processes)
-
-
-def load_custom(path: str, search_path: Sequence[str] = ()) -> Callable[..., Any]:
-    return load_function(path, search_path)
 
 
 def _custom_call(fn: Callable[..., Any]) -> Call:
@@ -67,7 +63,7 @@ def build_verifiers(settings: RewardConfig, search_path: Sequence[str] = ()) -> 
         if name in calls:
             continue
         if name in settings.custom:
-            calls[name] = _custom_call(load_custom(settings.custom[name], search_path))
+            calls[name] = _custom_call(load_function(settings.custom[name], search_path))
         elif name == "math":
             calls[name] = lambda p, c, a, f: math_score(c, a, timeout_s=settings.timeout_s,
                                                         raise_timeout=True)
@@ -100,7 +96,7 @@ def check_settings(settings: RewardConfig, search_path: Sequence[str] = ()) -> N
         if name in BUILTIN:
             raise ValueError(f"reward.custom.{name}: '{name}' is a built-in verifier; pick another name")
         try:
-            load_custom(path, search_path)
+            load_function(path, search_path)
         except ValueError as exc:
             raise ValueError(f"reward.custom.{name}: {exc}") from None
     if settings.timeout_s <= 0:

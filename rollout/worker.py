@@ -7,7 +7,6 @@ The payloads go from worker to learner without the driver ever fetching them.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.config import RolloutConfig
@@ -106,7 +105,7 @@ class GenerationWorker:
         return os.getpid()
 
     def sampling_params(self, n: int, greedy: bool, seed: int, temperature: Optional[float] = None,
-                        max_tokens: Optional[int] = None, final_only: bool = False):
+                        max_tokens: Optional[int] = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -118,7 +117,7 @@ class GenerationWorker:
             top_p=1.0 if greedy else c.top_p,
             top_k=0 if greedy else c.top_k,
             max_tokens=c.max_new_tokens if max_tokens is None else max_tokens,
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # what LLM.generate sets too; episodes need it
             stop=stop or None,
             stop_token_ids=list(c.stop_token_ids) or None,  # the chat format's end of turn
             include_stop_str_in_output=c.include_stop_str,
@@ -162,13 +161,12 @@ class GenerationWorker:
         from rollout.episodes import Episode, Limits, run_episodes
 
         c = self.cfg
-        started = time.perf_counter()
         episodes = [Episode(prompt_ids=self.tokenizer(p[1])["input_ids"], seed=None if greedy else seed * 1009 + j)
                     for p, seed in zip(prompts, seeds) for j in range(n)]
 
         def params(ep, turn: int, max_tokens: int):
             seed = None if ep.seed is None else (ep.seed + 7919 * turn) % (2**31)
-            return self.sampling_params(1, greedy, seed, temperature, max_tokens, final_only=True)
+            return self.sampling_params(1, greedy, seed, temperature, max_tokens)
 
         limits = Limits(c.max_turns, c.max_new_tokens, c.completion_budget, c.max_model_len)
         stats = run_episodes(self.llm.llm_engine, self.tokenizer, episodes, params, self.tools, self.format, limits,
@@ -188,7 +186,6 @@ class GenerationWorker:
             "completion_tokens": float(sum(len(e.ids) for e in episodes)),
             "per_item/policy_version": [version] * len(groups),
             **stats,
-            "episode_seconds": time.perf_counter() - started,
         }
         return (*groups, out)
 

@@ -165,7 +165,6 @@ def test_the_learner_trains_on_exactly_the_ids_the_sampler_produced(worker):
     """Token in, token out: each turn's prompt is the episode's ids so far (never re-tokenized
     text), every sampled id reaches the learner's batch as a target, every tool-result id is
     in its context but not a target."""
-    from common.prompt_group import PromptGroup
     from learner.batching import flatten
 
     tap = Tap(worker.llm.llm_engine)
@@ -198,4 +197,3 @@ def test_the_learner_trains_on_exactly_the_ids_the_sampler_produced(worker):
             trained = batch.mask[row, start - 1:start - 1 + len(ids)].tolist()
             assert trained == [bool(m) for m in mask]
             row += 1
-    assert isinstance(scored[0], PromptGroup)

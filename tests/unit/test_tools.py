@@ -96,11 +96,6 @@ def test_the_built_in_tokenizer_writes_tool_tags_as_single_tokens():
 
 # --------------------------------------------------------------------------- the box
 
-def _box(**custom) -> ToolBox:
-    return ToolBox(["calculator"], {name: f"tool_fixtures:{name}" for name in custom}, timeout_s=0.5,
-                   max_chars=20, sandbox=SandboxLimits(timeout_s=0.3), search_path=[custom.get("path", "")])
-
-
 @pytest.fixture
 def tool_fixtures(tmp_path, monkeypatch):
     (tmp_path / "tool_fixtures.py").write_text(
@@ -127,9 +122,8 @@ def test_bad_calls_become_error_observations_never_exceptions(tool_fixtures):
         assert broke.error and "RuntimeError: tool broke" in broke.text
         wrong = box.run("calculator", "import os")
         assert wrong.error and wrong.text.startswith("error: cannot parse")
-        started = time.monotonic()
         hung = box.run("hang", "x")
-        assert hung.error and hung.timed_out and time.monotonic() - started < 10
+        assert hung.error and hung.timed_out
         flood = box.run("flood", "x")
         assert flood.text.startswith("x" * 20) and flood.text.endswith("[... 999980 more characters]")
     finally:
