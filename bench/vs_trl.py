@@ -1,10 +1,14 @@
 """This project against TRL's GRPOTrainer, same machine, same start model, same settings.
 
     .venv/bin/pip install -e ".[bench]"         # brings trl (and accelerate); nothing else
-    .venv/bin/python bench/vs_trl.py [--steps 20] [--start MODEL_DIR] [overrides for both...]
+    .venv/bin/python bench/vs_trl.py [--steps 20] [--start MODEL_DIR] [--lr LR] [overrides for ours...]
+    # the 10 M model, 128-token completions, 16 prompts a step, untrained start:
+    .venv/bin/python bench/vs_trl.py --steps 5 --no-warmup --prompts-per-step 16 --new-tokens 128 \
+        --min-new-tokens 128 --model model.hidden_size=256 model.num_layers=10 model.intermediate_size=1024
 
 1. The start model: the default job's post-warm-up policy (`grpo train trainer.max_steps=0`
-   writes it as final_model/), unless --start names one.
+   writes it as final_model/), unless --start names one; --model sets the built-in model's
+   size, --no-warmup starts from it untrained (for speed alone).
 2. This project: `grpo train model=hf model.path=START warmup.steps=0 trainer.max_steps=N`.
 3. TRL 1.16 `GRPOTrainer` in its own process (one process, HF `generate`, both cores), from the
    same weights, for the same N GRPO steps.
@@ -15,8 +19,9 @@ time until the first step starts.
 TRL settings, chosen to compute what this project computes by default: G = num_generations = 8;
 64 prompts per step (generation_batch_size 512); steps_per_generation = 2 (learner.minibatches:
 two optimizer steps per batch, the second off-policy, clipped); max_completion_length = 32;
-temperature 1.0; learning_rate 7e-4, linear decay (this project decays to 0.1 of it, TRL to 0:
-the nearest TRL has); beta 0.04 (k3 KL, as TRL computes it); epsilon 0.2; loss_type "grpo"
+temperature 1.0; learning_rate --lr (default 7e-4, the built-in job's GRPO rate), linear decay
+(this project decays to 0.1 of it, TRL to 0: the nearest TRL has); --min-new-tokens as vLLM's
+min_tokens here and `min_new_tokens` in TRL's generation kwargs; beta 0.04 (k3 KL, as TRL computes it); epsilon 0.2; loss_type "grpo"
 (sequence mean of token means, as algo.loss_agg=seq-mean-token-mean); scale_rewards "group";
 rewards: math 1.0 + format 0.1, computed by this project's own verifier functions; float32 on
 CPU (bf16=False), no vLLM (TRL's CPU path is HF generate).
@@ -34,15 +39,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GRPO = str(Path(sys.executable).parent / "grpo")
-PROMPTS_PER_STEP, G, NEW_TOKENS, LR, BETA, EPS, MINIBATCHES = 64, 8, 32, 7e-4, 0.04, 0.2, 2
+G, BETA, EPS, MINIBATCHES = 8, 0.04, 0.2, 2
 
 
-def start_model(out: Path, overrides) -> str:
-    """The default job's policy after its warm-up (no GRPO step), as a Hugging Face folder."""
-    name = "start"
+def shared_overrides(s: dict) -> list:
+    """This project's config for the settings both runs share (`s`: the bench's arguments; the
+    model's size is the start folder's)."""
+    return [f"trainer.prompts_per_step={s['prompts_per_step']}", f"rollout.max_new_tokens={s['new_tokens']}",
+            f"rollout.min_new_tokens={s['min_new_tokens']}", f"learner.lr={s['lr']}"]
+
+
+def start_model(out: Path, overrides, warmup: bool) -> str:
+    """The default job's policy after its warm-up (no GRPO step), as a Hugging Face folder; without
+    `warmup`, the built-in model as initialised."""
+    name = "start" if warmup else "start-untrained"
     if not (out / name / "final_model" / "config.json").exists():
         subprocess.run([GRPO, "train", "trainer.max_steps=0", f"trainer.run_name={name}", f"trainer.output_dir={out}",
-                        "logger=none", "trainer.progress=false", *overrides], check=True)
+                        "logger=none", "trainer.progress=false", *([] if warmup else ["warmup.steps=0"]), *overrides],
+                       check=True)
     return str(out / name / "final_model")
 
 
@@ -63,15 +77,17 @@ def run_ours(start: str, steps: int, out: Path, overrides) -> dict:
 
 
 # ---- TRL, in a process of its own ------------------------------------------------------------
-def run_trl(start: str, steps: int, out: Path, seed: int) -> dict:
+def run_trl(start: str, steps: int, out: Path, seed: int, settings: dict) -> dict:
     result = out / f"trl-{time.strftime('%H%M%S')}.json"
     begun = time.time()
-    subprocess.run([sys.executable, __file__, "--trl-child", start, str(steps), str(result), str(seed)], check=True)
+    subprocess.run([sys.executable, __file__, "--trl-child", start, str(steps), str(result), str(seed),
+                    json.dumps(settings)], check=True)
     return {**json.loads(result.read_text()), "process_s": time.time() - begun}
 
 
-def trl_child(start: str, steps: int, result: str, seed: int) -> None:
+def trl_child(start: str, steps: int, result: str, seed: int, settings: dict) -> None:
     born = time.time()
+    prompts_per_step, new_tokens = settings["prompts_per_step"], settings["new_tokens"]
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -106,9 +122,10 @@ def trl_child(start: str, steps: int, result: str, seed: int) -> None:
             Clock.ends.append(time.time())
 
     config = GRPOConfig(
-        output_dir=str(Path(result).parent / "trl-run"), max_steps=steps * MINIBATCHES, learning_rate=LR,
-        lr_scheduler_type="linear", per_device_train_batch_size=PROMPTS_PER_STEP * G // MINIBATCHES,
-        steps_per_generation=MINIBATCHES, num_generations=G, max_completion_length=NEW_TOKENS,
+        output_dir=str(Path(result).parent / "trl-run"), max_steps=steps * MINIBATCHES, learning_rate=settings["lr"],
+        lr_scheduler_type="linear", per_device_train_batch_size=prompts_per_step * G // MINIBATCHES,
+        steps_per_generation=MINIBATCHES, num_generations=G, max_completion_length=new_tokens,
+        generation_kwargs={"min_new_tokens": settings["min_new_tokens"]} if settings["min_new_tokens"] else None,
         temperature=1.0, beta=BETA, epsilon=EPS, loss_type="grpo", scale_rewards="group",
         reward_weights=[1.0, 0.1], use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
         seed=seed, disable_tqdm=True)
@@ -120,14 +137,14 @@ def trl_child(start: str, steps: int, result: str, seed: int) -> None:
     # TRL logs a generation's completion lengths once, at the first optimizer step after it.
     logs = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     assert len(logs) == steps, f"{len(logs)} generations logged for {steps} GRPO steps"
-    tokens = sum(length * PROMPTS_PER_STEP * G for length in logs)
-    accuracy = greedy_accuracy(trainer.model, tokenizer, heldout, math_score)
+    tokens = sum(length * prompts_per_step * G for length in logs)
+    accuracy = greedy_accuracy(trainer.model, tokenizer, heldout, math_score, new_tokens)
     Path(result).write_text(json.dumps({
         "step_s": statistics.median(step_s), "tokens_per_s": tokens / sum(step_s), "after": accuracy,
         "startup_s": Clock.first_begin - born, "torch_threads": torch.get_num_threads()}))
 
 
-def greedy_accuracy(model, tokenizer, problems, score) -> float:
+def greedy_accuracy(model, tokenizer, problems, score, new_tokens: int) -> float:
     import torch
 
     tokenizer.padding_side = "left"
@@ -137,7 +154,7 @@ def greedy_accuracy(model, tokenizer, problems, score) -> float:
         for i in range(0, len(problems), 64):
             chunk = problems[i:i + 64]
             enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
-            out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
+            out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             right += sum(score(t, p.answer) for t, p in zip(texts, chunk))
     return right / len(problems)
@@ -145,20 +162,28 @@ def greedy_accuracy(model, tokenizer, problems, score) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-child":
-        trl_child(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+        trl_child(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), json.loads(sys.argv[6]))
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--start", default=None, help="a Hugging Face folder to start both from")
     parser.add_argument("--output-dir", default="runs/vs_trl")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=7e-4, help="both runs' learning rate")
+    parser.add_argument("--prompts-per-step", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32, help="max completion tokens, both runs")
+    parser.add_argument("--min-new-tokens", type=int, default=0, help="min completion tokens, both runs")
+    parser.add_argument("--model", nargs="*", default=[], help="built-in model size, e.g. model.hidden_size=256")
+    parser.add_argument("--no-warmup", action="store_true", help="start from the untrained built-in model")
     parser.add_argument("overrides", nargs="*", help="for this project's runs (e.g. rollout.chunks_per_worker=1)")
     args = parser.parse_args()
     out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    start = args.start or start_model(out, [f"trainer.seed={args.seed}"])
-    ours = run_ours(start, args.steps, out, [f"trainer.seed={args.seed}", *args.overrides])
-    trl = run_trl(start, args.steps, out, args.seed)
+    settings = {"prompts_per_step": args.prompts_per_step, "new_tokens": args.new_tokens,
+                "min_new_tokens": args.min_new_tokens, "lr": args.lr, "model": args.model}
+    start = args.start or start_model(out, [f"trainer.seed={args.seed}", *args.model], not args.no_warmup)
+    ours = run_ours(start, args.steps, out, [f"trainer.seed={args.seed}", *shared_overrides(settings), *args.overrides])
+    trl = run_trl(start, args.steps, out, args.seed, settings)
     rows = [("seconds per GRPO step (median)", "step_s", "{:.2f}"),
             ("completion tokens/s", "tokens_per_s", "{:.0f}"),
             ("held-out greedy accuracy after the steps", "after", "{:.1%}"),

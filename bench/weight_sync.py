@@ -59,7 +59,9 @@ def count_params(folder: str) -> int:
     return total
 
 
-def sync_size(size: str, cache: str, pushes: int, bucket_mb: float) -> dict:
+def sync_size(size: str, cache: str, pushes: int, bucket_mb: float, transport: str) -> dict:
+    import ray
+
     from bench.model_sizes import build
     from cluster.compose import load_config
     from cluster.sync_channel import WeightSyncChannel
@@ -75,25 +77,37 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float) -> dict:
     learner = LearnerGroup(model, learner_cfg, algo, cfg.rollout.max_new_tokens, 0)
     pool = RolloutPool(model, rollout_cfg, 0)
     try:
-        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb, timeout_s=600)
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb, timeout_s=600, transport=transport)
         channel.push(1)  # warm: first broadcasts, first reload
-        walls, learner_side = [], []
+        walls, learner_side, packs, loads, waits, raws = [], [], [], [], [], []
         for version in range(2, pushes + 2):
             start = time.perf_counter()
             metrics = channel.push(version)
             walls.append(time.perf_counter() - start)
             learner_side.append(metrics["sync_seconds"])
+            packs.append(metrics["sync_pack_seconds"])
+            loads.append(metrics["sync_load_seconds"])
+            waits.append(metrics["sync_wait_seconds"])
+            # The yardstick, same run, same processes, same group: the same buckets broadcast and
+            # dropped on arrival (no packing, no loading into vLLM).
+            start = time.perf_counter()
+            receives = [w.receive_raw.remote(channel.spec) for w in pool.workers]
+            ray.get([r.broadcast_raw.remote(channel.spec) for r in learner.ranks] + receives)
+            raws.append(time.perf_counter() - start)
         num_bytes = metrics["sync_bytes"]
     finally:
         learner.shutdown()
         pool.shutdown()
     params = count_params(model)
     return {
-        "size": size, "params_m": params / 1e6, "bytes": num_bytes,
+        "size": size, "transport": transport, "params_m": params / 1e6, "bytes": num_bytes,
         "push_s": statistics.median(walls), "learner_s": statistics.median(learner_side),
         "push_gbps": num_bytes / statistics.median(walls) / 1e9,
         "learner_gbps": num_bytes / statistics.median(learner_side) / 1e9,
         "memcpy_gbps": memcpy_gbps(num_bytes),
+        "pack_s": statistics.median(packs), "receive_s": statistics.median(loads),
+        "receive_wait_s": statistics.median(waits), "raw_broadcast_s": statistics.median(raws),
+        "of_raw_broadcast": statistics.median(raws) / statistics.median(walls),
     }
 
 
@@ -155,10 +169,12 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=["10M", "100M", "500M"])
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--transport", default="auto", choices=["auto", "broadcast", "shm"], help="sync.transport")
+    parser.add_argument("--skip-generation", action="store_true", help="part 1 only")
     parser.add_argument("--cache", default=str(Path("~/.cache/grpo/models").expanduser()))
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunks-per-worker", type=int, default=4, help="rollout.chunks_per_worker of the pool")
+    parser.add_argument("--chunks-per-worker", type=int, default=1, help="rollout.chunks_per_worker of the pool")
     parser.add_argument("--output", default="runs/bench/weight_sync.json")
     args = parser.parse_args()
     import ray
@@ -169,9 +185,9 @@ def main() -> int:
              runtime_env={"env_vars": ACTOR_ENV})
     rows = []
     for size in args.sizes:
-        rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb))
+        rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb, args.transport))
         print(json.dumps(rows[-1]), flush=True)
-    gen = generation(args.cache, args.prompts, args.repeats, args.chunks_per_worker)
+    gen = None if args.skip_generation else generation(args.cache, args.prompts, args.repeats, args.chunks_per_worker)
     print(json.dumps(gen), flush=True)
     ray.shutdown()
 
@@ -181,14 +197,16 @@ def main() -> int:
         mx, my = statistics.mean(xs), statistics.mean(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         fixed = my - slope * mx
-    lines = ["| model | params | bytes (fp32) | push, end to end | push GB/s | learner side (pack + broadcast) | "
-             "learner GB/s | memcpy GB/s, same bytes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | params | bytes (fp32) | push, end to end | push GB/s | plain gloo broadcast, same bytes "
+             "and group | push / plain broadcast rate | learner side (pack + broadcast) | memcpy GB/s, same bytes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['size']} | {r['params_m']:.1f} M | {r['bytes'] / 2**20:.0f} MiB | {r['push_s']:.3f} s | "
-                     f"{r['push_gbps']:.2f} | {r['learner_s']:.3f} s | {r['learner_gbps']:.2f} | {r['memcpy_gbps']:.2f} |")
+                     f"{r['push_gbps']:.2f} | {r['raw_broadcast_s']:.3f} s | {r['of_raw_broadcast']:.0%} | "
+                     f"{r['learner_s']:.3f} s (pack {r['pack_s']:.3f} s) | {r['memcpy_gbps']:.2f} |")
     if fixed is not None:
         lines.append(f"\nfixed cost per sync (intercept of push time against bytes): {fixed * 1000:.0f} ms")
-    lines += ["", "| generation, built-in model | completions | tokens/s |", "| --- | --- | --- |",
+    lines += [] if gen is None else ["", "| generation, built-in model | completions | tokens/s |", "| --- | --- | --- |",
               f"| rollout pool, 2 workers, chunks_per_worker={args.chunks_per_worker} | {gen['completions']} | "
               f"{gen['system_tokens_per_s']:.0f} |",
               f"| one standalone vLLM engine, same prompts and seeds | {gen['completions']} | "

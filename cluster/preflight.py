@@ -99,6 +99,43 @@ def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None
             "or their num_cpus_*/num_gpus_*, add nodes (or raise ray.num_cpus locally)")
 
 
+def node_cpus() -> int:
+    """CPUs of the smallest node of the connected Ray (the roles may share any one of them)."""
+    import ray
+
+    counts = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    return max(min(counts, default=1), 1)
+
+
+def plan_threads(cfg: Config, cpus: int) -> Optional[str]:
+    """Fill learner.num_threads and rollout.num_threads left at 0 (auto) for roles on CPUs, and
+    return the line that says what each role got (None when every role is on GPUs).
+
+    Sync mode: generation, scoring and training take turns, so the phase that runs gets every
+    CPU: each of the R learner ranks max(1, cpus // R) threads, each of the E engines
+    max(1, cpus // E). Async mode: the engines generate while the ranks train, so they share
+    the CPUs: max(1, cpus // (R + E)) each. More threads than cores would make the running
+    phase's threads wait on each other (and on an idle role's)."""
+    learner, rollout = cfg.learner, cfg.rollout
+    ranks = learner.num_ranks if learner.num_gpus_per_rank == 0 else 0
+    engines = rollout.num_workers if rollout.num_gpus_per_worker == 0 and rollout.tensor_parallel_size == 1 else 0
+    if not ranks and not engines:
+        return None
+    if cfg.trainer.mode == "async":
+        share_learner = share_engine = max(1, cpus // (ranks + engines))
+    else:
+        share_learner, share_engine = max(1, cpus // max(ranks, 1)), max(1, cpus // max(engines, 1))
+    parts = []
+    if ranks:
+        learner.num_threads = learner.num_threads or share_learner
+        parts.append(f"{ranks} learner ranks x {learner.num_threads}")
+    if engines:
+        rollout.num_threads = rollout.num_threads or share_engine
+        parts.append(f"{engines} vLLM engines x {rollout.num_threads}")
+    turns = "the phases take turns" if cfg.trainer.mode == "sync" else "generation and training at once"
+    return f"CPU threads: {', '.join(parts)} ({cfg.trainer.mode} mode: {turns} on {cpus} CPUs per node)"
+
+
 def check_model_length(cfg: Config, folder: str) -> None:
     config_file = Path(folder) / "config.json"
     if not config_file.exists():

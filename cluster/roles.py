@@ -44,7 +44,8 @@ def start_roles(cfg: Config) -> Roles:
     verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
     rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,
                           placement=lambda i: placement.options("rollout", i))
-    channel = WeightSyncChannel(learner, rollout, cfg.rollout.dtype, cfg.sync.bucket_mb, cfg.sync.timeout_s)
+    channel = WeightSyncChannel(learner, rollout, cfg.rollout.dtype, cfg.sync.bucket_mb, cfg.sync.timeout_s,
+                                cfg.sync.transport)
     rollout.recover = channel.recover
     return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel, placement=placement)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from cluster.buffer import RolloutBuffer
-from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, say, show_prompt
+from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, say, show_prompt
 from cluster.roles import Roles, start_roles
 from common.config import Config
 
@@ -44,6 +44,9 @@ class Run:
         self.say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a "
                  "cluster with RAY_ADDRESS or ray.address to get one)")
         check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
+        threads = plan_threads(cfg, node_cpus())
+        if threads:
+            self.say(threads)
         self.run_dir = make_run_dir(cfg)
         show_prompt(self.run_dir, prompts, self.started)
         self.roles = start_roles(cfg)

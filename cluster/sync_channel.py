@@ -5,12 +5,15 @@ that does not finish within `sync.timeout_s` raises instead of hanging the run.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+import uuid
 from typing import Dict
 
 import ray
 
+from common import weight_sync
 from common.dispatch import call_when_up
 from common.ray_utils import death_cause
 
@@ -23,8 +26,8 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSyncChannel:
-    def __init__(self, learner, rollout, dtype: str, bucket_mb: float, timeout_s: float):
-        self.learner, self.rollout, self.timeout_s = learner, rollout, timeout_s
+    def __init__(self, learner, rollout, dtype: str, bucket_mb: float, timeout_s: float, transport: str = "auto"):
+        self.learner, self.rollout, self.timeout_s, self.transport = learner, rollout, timeout_s, transport
         # Held from the learner's update until its push: a worker re-joining in between gets
         # the weights of the version it is told (see `recover`).
         self.lock = threading.RLock()
@@ -44,6 +47,26 @@ class WeightSyncChannel:
         joins += [w.init_weight_sync.remote(host, port, 1 + i * per_worker, world, self.timeout_s, self.backend)
                   for i, w in enumerate(self.rollout.workers)]
         self._wait(joins, "joining the weight-sync group")
+        # A new group gets a new shared file (a restarted worker maps it afresh); its name is
+        # unlinked after the first push, once every receiver has mapped it.
+        self.spec["shm_path"] = self._shm_path(host)
+        self._unlink_after_push = self.spec["shm_path"]
+
+    def _shm_path(self, learner_ip: str):
+        """The shared-memory file of sync.transport=shm/auto, or None to broadcast the bytes."""
+        if self.transport == "broadcast":
+            return None
+        same_node = all(ip == learner_ip for ip in ray.get([w.node_ip.remote() for w in self.rollout.workers]))
+        # Room for the model twice over: what else uses /dev/shm (Ray's object store) may grow.
+        room = ray.get(self.learner.rank0.shm_free_bytes.remote()) >= 2 * weight_sync.WeightSpec.from_wire(
+            self.spec).total_bytes
+        if not (self.backend == "gloo" and same_node and room):
+            if self.transport == "shm":
+                raise WeightSyncError("sync.transport=shm needs a CPU learner (gloo), every generation worker on "
+                                      "learner rank 0's node and /dev/shm with room for two copies of the model; "
+                                      "use sync.transport=auto or broadcast")
+            return None
+        return f"/dev/shm/grpo-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def recover(self) -> Dict[str, float]:
         """After a generation actor was restarted (a fresh engine, out of the group, holding the
@@ -131,6 +154,12 @@ class WeightSyncChannel:
         if any(v != version for v in reported):
             raise WeightSyncError(f"workers report versions {reported} after pushing version {version}")
         self.version = version
+        if self._unlink_after_push:
+            ray.get(self.learner.rank0.unlink_sync_file.remote(self._unlink_after_push))
+            self._unlink_after_push = None
         metrics = dict(results[0])
-        metrics["sync_load_seconds"] = max(r["load_s"] for r in results[len(sends):])
+        slowest = max(results[len(sends):], key=lambda r: r["load_s"])
+        # The slowest worker's whole receive, and the part of it spent waiting for bytes (the
+        # rest is vLLM loading them into the engine).
+        metrics["sync_load_seconds"], metrics["sync_wait_seconds"] = slowest["load_s"], slowest.get("wait_s", 0.0)
         return metrics

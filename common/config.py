@@ -241,6 +241,9 @@ class RolloutConfig(Section):
     """vLLM generation actors."""
     num_cpus_per_worker: float = 0.5
     """Ray CPUs reserved per generation actor."""
+    num_threads: int = 0
+    """torch threads per vLLM engine on CPUs (tensor_parallel_size 1); 0: set at start like
+    learner.num_threads. Unused on GPUs and by tensor-parallel CPU engines (vLLM binds those)."""
     num_gpus_per_worker: float = 0.0
     """Ray GPUs per generation actor: 0 on CPUs; on GPU clusters tensor_parallel_size (the
     engine's TP ranks run as processes inside the actor, on the actor's GPUs)."""
@@ -271,6 +274,9 @@ class RolloutConfig(Section):
     chunk per worker is fastest: bench/results/ab_20261130.txt)."""
     max_new_tokens: int = 32
     """Longest completion in tokens."""
+    min_new_tokens: int = 0
+    """Single-turn training rollouts: tokens sampled before EOS or a stop may end a completion
+    (vLLM's min_tokens; 0: none). Greedy evaluation and tool episodes ignore it."""
     max_model_len: int = 128
     """vLLM's context length."""
     kv_cache_gib: float = 1.0
@@ -320,6 +326,11 @@ class RolloutConfig(Section):
             if tool in TOOLS:
                 raise ConfigError(f"rollout.custom_tools.{tool}: '{tool}' is a built-in tool; name yours otherwise")
         at_least("rollout.max_turns", self.max_turns, 1)
+        at_least("rollout.num_threads", self.num_threads, 0)
+        at_least("rollout.min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"rollout.min_new_tokens={self.min_new_tokens} exceeds rollout.max_new_tokens="
+                              f"{self.max_new_tokens}")
         at_least("rollout.max_episode_tokens", self.max_episode_tokens, 0)
         at_least("rollout.tool_max_output_chars", self.tool_max_output_chars, 1)
         if self.tool_timeout_s <= 0:
@@ -374,6 +385,10 @@ class LearnerConfig(Section):
     is what the PPO clip is for."""
     num_cpus_per_rank: float = 0.25
     """Ray CPUs reserved per learner rank."""
+    num_threads: int = 0
+    """torch threads per learner rank on CPUs; 0: set at start from the CPUs of a node (sync
+    mode: the phases take turns, so the ranks share all of them; async mode: ranks and engines
+    run at once and share them without oversubscription). Printed at start. Unused on GPUs."""
     num_gpus_per_rank: float = 0.0
     """Ray GPUs per learner rank (1 on GPU clusters)."""
     backend: str = one_of(("auto", "gloo", "nccl"))
@@ -386,6 +401,7 @@ class LearnerConfig(Section):
         super().check(name)
         at_least("learner.num_ranks", self.num_ranks, 1)
         at_least("learner.minibatches", self.minibatches, 1)
+        at_least("learner.num_threads", self.num_threads, 0)
         if self.num_gpus_per_rank not in (0, 1):
             raise ConfigError(f"learner.num_gpus_per_rank={self.num_gpus_per_rank:g}: a learner rank uses one "
                               "whole GPU (1) or none (0); NCCL refuses two ranks on one GPU")
@@ -428,6 +444,11 @@ class RewardConfig(Section):
 class SyncConfig(Section):
     bucket_mb: int = 64
     """Size of the flat buckets that learner rank 0 broadcasts to the generation actors."""
+    transport: str = one_of(("auto", "broadcast", "shm"))
+    """How the bytes travel. `broadcast`: over the sync group (NCCL on GPUs, gloo on CPUs).
+    `shm`: learner rank 0 writes the buckets once into a shared-memory file and every engine on
+    its node loads from it (CPU learners, every engine on the learner's node; the group carries
+    only "bucket i is written"). `auto`: shm where it applies, else broadcast."""
     timeout_s: float = 300.0
     """A weight sync that takes longer fails with an error instead of hanging."""
 

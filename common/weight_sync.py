@@ -4,17 +4,22 @@ One process group joins learner rank 0 (group rank 0, the root) and every vLLM w
 of every generation actor (ranks 1..N; a tensor-parallel engine has one per TP rank). The
 weights travel as flat buckets of about `bucket_mb`, one broadcast per bucket: a broadcast per
 tensor is far slower (gloo on one machine: 1.8 GB/s in 1 MB buckets, 4.5 GB/s in 64 MB ones).
-The group is NCCL when the learner is on a GPU (buckets live on the GPUs), gloo otherwise.
-Only the small `WeightSpec` travels by RPC; tensors cannot (vLLM's collective_rpc cannot
+The group is NCCL when the learner is on a GPU (buckets live on the GPUs), gloo otherwise. When
+every receiver is on the learner's node and the group is gloo, the buckets go through a
+shared-memory file instead (written once, read by every engine) and the group carries only
+"bucket i is written" (`WeightSpec.shm_path`). Only the small `WeightSpec` travels by RPC; tensors cannot (vLLM's collective_rpc cannot
 pickle them).
 
 It imports neither rollout/ nor learner/: both sides use it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +48,10 @@ class WeightSpec:
     tensors: Tuple[TensorSpec, ...]
     dtype: str
     bucket_bytes: int
+    shm_path: Optional[str] = None
+    """Set when every receiver shares the sender's node and the group is gloo: the sender writes
+    the buckets once into this shared-memory file and the group carries only a bucket number
+    per bucket, "bucket i is written"; every receiver loads from its own mapping of the file."""
 
     def buckets(self) -> List[List[TensorSpec]]:
         """Tensors grouped in order into buckets of at most bucket_bytes (a larger tensor goes alone)."""
@@ -61,12 +70,16 @@ class WeightSpec:
     def to_wire(self) -> dict:
         """Plain types only: vLLM's collective_rpc serialises dataclasses into dicts."""
         return {"tensors": [[t.name, list(t.shape)] for t in self.tensors],
-                "dtype": self.dtype, "bucket_bytes": self.bucket_bytes}
+                "dtype": self.dtype, "bucket_bytes": self.bucket_bytes, "shm_path": self.shm_path}
 
     @classmethod
     def from_wire(cls, wire: dict) -> "WeightSpec":
         return cls(tensors=tuple(TensorSpec(name, tuple(shape)) for name, shape in wire["tensors"]),
-                   dtype=wire["dtype"], bucket_bytes=wire["bucket_bytes"])
+                   dtype=wire["dtype"], bucket_bytes=wire["bucket_bytes"], shm_path=wire.get("shm_path"))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
     @property
     def total_bytes(self) -> int:
@@ -99,8 +112,50 @@ def unpack(flat: torch.Tensor, bucket: Sequence[TensorSpec]) -> Iterator[Tuple[s
         offset += spec.numel
 
 
+def pack_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write tensors one after another into `flat` (converted to its dtype): one copy, no staging."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        flat[offset: offset + n].copy_(t.detach().reshape(-1))
+        offset += n
+
+
 def empty_bucket(bucket: Sequence[TensorSpec], dtype: str, device: str = "cpu") -> torch.Tensor:
     return torch.empty(sum(s.numel for s in bucket), dtype=DTYPES[dtype], device=device)
+
+
+# ------------------------------------------------------------------ shared memory (one node)
+
+_MAPPINGS: Dict[str, torch.Tensor] = {}
+"""This process's mapping of each shared-memory file it uses (one: a new group gets a new file)."""
+
+
+def shm_mapping(path: str, total_bytes: int) -> torch.Tensor:
+    """The shared file at `path` mapped as bytes (created at this size if missing); mapped once per
+    process. The mapping outlives the file's name: the sender unlinks it once every receiver has
+    mapped it, so nothing is left in /dev/shm however the run ends after that."""
+    if path not in _MAPPINGS:
+        _MAPPINGS.clear()  # the previous group's file: its bytes go when no tensor maps them
+        _MAPPINGS[path] = torch.from_file(path, shared=True, size=max(total_bytes, 1), dtype=torch.uint8)
+    return _MAPPINGS[path]
+
+
+def shm_buckets(spec: WeightSpec) -> List[torch.Tensor]:
+    """Each bucket of `spec` as a flat tensor of the wire dtype inside the shared file."""
+    mapping = shm_mapping(spec.shm_path, spec.total_bytes)
+    views, offset = [], 0
+    for bucket in spec.buckets():
+        nbytes = sum(t.numel for t in bucket) * spec.itemsize
+        views.append(mapping[offset: offset + nbytes].view(DTYPES[spec.dtype]))
+        offset += nbytes
+    return views
+
+
+def unlink_shm(path: Optional[str]) -> None:
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @dataclass
@@ -136,13 +191,49 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     return SyncGroup(store=store, group=dist.ProcessGroupGloo(store, rank, world_size, timeout), device="cpu")
 
 
-def broadcast(sync_group: SyncGroup, tensor: torch.Tensor) -> None:
-    """Broadcast from rank 0 (the learner) in place; raises on the group's timeout."""
+def start_broadcast(sync_group: SyncGroup, tensor: torch.Tensor):
+    """Start a broadcast from rank 0 (the learner) in place; returns its work handle (`.wait()`
+    raises on the group's timeout). The tensor must stay alive until then."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    sync_group.group.broadcast([tensor], opts).wait()
+    return sync_group.group.broadcast([tensor], opts)
+
+
+def broadcast(sync_group: SyncGroup, tensor: torch.Tensor) -> None:
+    """Broadcast from rank 0 (the learner) in place; raises on the group's timeout."""
+    start_broadcast(sync_group, tensor).wait()
+
+
+def received_buckets(sync_group: SyncGroup, spec: WeightSpec, timings: Dict[str, float]) -> Iterator[
+        Tuple[List[TensorSpec], torch.Tensor]]:
+    """Each bucket of `spec` as it arrives, the next one already on its way while the caller
+    loads this one (the sender packs bucket i+1 while bucket i is on the wire, and a receiver
+    loads bucket i while bucket i+1 arrives). `timings["wait_s"]` adds up the time spent waiting
+    for bytes (the rest of the caller's time is its own loading)."""
+    buckets = spec.buckets()
+    views = shm_buckets(spec) if spec.shm_path else None
+
+    def begin(bucket):
+        if views is not None:  # only "bucket i is written" travels; the bytes are in the file
+            note = torch.zeros(1, dtype=torch.int64)
+            return note, start_broadcast(sync_group, note)
+        flat = empty_bucket(bucket, spec.dtype, sync_group.device)
+        return flat, start_broadcast(sync_group, flat)
+
+    ahead = begin(buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        flat, work = ahead
+        started = time.perf_counter()
+        work.wait()
+        timings["wait_s"] = timings.get("wait_s", 0.0) + time.perf_counter() - started
+        ahead = begin(buckets[i + 1]) if i + 1 < len(buckets) else None
+        if views is not None:
+            if int(flat[0]) != i:
+                raise RuntimeError(f"weight sync: bucket {int(flat[0])} announced where {i} was expected")
+            flat = views[i]
+        yield bucket, flat
 
 
 def settle(sync_group: SyncGroup) -> None:

@@ -55,7 +55,9 @@ class LearnerRank:
                            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0"})
         if not self.on_gpu:
             os.environ["DS_ACCELERATOR"] = "cpu"
-            torch.set_num_threads(1)  # ranks share the machine's cores with the rollout engines
+            # Set by the driver for the mode and the node's CPUs (cluster/preflight.plan_threads);
+            # 0 (a caller that plans nothing) keeps the old one thread per rank.
+            torch.set_num_threads(max(self.cfg.num_threads, 1))
         import deepspeed
 
         if not self.on_gpu:
@@ -202,20 +204,71 @@ class LearnerRank:
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
         named = self._sync_tensors()
         start = time.perf_counter()
-        gathered_max = 0
-        for bucket in spec.buckets():
+        gathered_max, pack_s = 0, 0.0
+        # Shared memory: the buckets are written into the file and only their numbers travel.
+        views = weight_sync.shm_buckets(spec) if spec.shm_path and self.rank == 0 else None
+        in_flight = None  # (tensor, work) of the broadcast on the wire while the next is packed
+        for i, bucket in enumerate(spec.buckets()):
             tensors = [named[t.name] for t in bucket]
             with engines.gathered(tensors, self.cfg.zero_stage):
                 gathered_max = max(gathered_max, self._gathered_bytes())
                 if self.rank == 0:
-                    flat = weight_sync.pack(tensors, spec.dtype).to(self.sync_group.device)
-                    weight_sync.broadcast(self.sync_group, flat)
+                    packed = time.perf_counter()
+                    flat = views[i] if views is not None else self._staging(spec, bucket, i % 2)
+                    weight_sync.pack_into(tensors, flat)
+                    pack_s += time.perf_counter() - packed
+            if self.rank == 0:
+                if in_flight is not None:
+                    in_flight[1].wait()
+                if views is not None:
+                    flat = torch.tensor([i], dtype=torch.int64)  # "bucket i is written"
+                in_flight = (flat, weight_sync.start_broadcast(self.sync_group, flat))
+        if in_flight is not None:
+            in_flight[1].wait()
         if self.rank == 0:
             weight_sync.settle(self.sync_group)
         seconds = time.perf_counter() - start
         return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
                 "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9,
-                "sync_gathered_max_mb": gathered_max / 2**20}
+                "sync_pack_seconds": pack_s, "sync_gathered_max_mb": gathered_max / 2**20}
+
+    def _staging(self, spec: weight_sync.WeightSpec, bucket, slot: int) -> "torch.Tensor":
+        """One of two send buffers, kept from push to push: on CPUs a fresh 64 MB buffer per bucket
+        costs its page faults every time (measured: packing 455 MB took 0.67 s, most of it
+        faulting in new pages). Two, because one may still be on the wire while the next is packed;
+        a slot is reused only after its broadcast finished. On GPUs the caching allocator reuses
+        memory already."""
+        if self.sync_group.device != "cpu":
+            return weight_sync.empty_bucket(bucket, spec.dtype, self.sync_group.device)
+        numel = sum(t.numel for t in bucket)
+        buffers = getattr(self, "_send_buffers", None)
+        if buffers is None or buffers[0].dtype != weight_sync.DTYPES[spec.dtype] or buffers[0].numel() < numel:
+            size = max(numel, spec.bucket_bytes // spec.itemsize)
+            buffers = self._send_buffers = [torch.empty(size, dtype=weight_sync.DTYPES[spec.dtype]) for _ in range(2)]
+        return buffers[slot][:numel]
+
+    def shm_free_bytes(self) -> int:
+        """Free bytes of /dev/shm on this node (0 without one): a container's default 64 MB cannot
+        hold a model, and writing past a tmpfs's end kills the writer (SIGBUS)."""
+        try:
+            stat = os.statvfs("/dev/shm")
+        except OSError:
+            return 0
+        return stat.f_bavail * stat.f_frsize
+
+    def unlink_sync_file(self, path: str) -> None:
+        """Every receiver has mapped the shared file: its name can go (the mappings stay)."""
+        weight_sync.unlink_shm(path)
+
+    def broadcast_raw(self, wire_spec: dict) -> Dict[str, float]:
+        """Rank 0 broadcasts buckets of the sync's sizes with nothing packed: a plain broadcast of
+        the same bytes over the same group, the yardstick of the sync's rate (bench/weight_sync.py)."""
+        spec = weight_sync.WeightSpec.from_wire(wire_spec)
+        start = time.perf_counter()
+        for bucket in spec.buckets():
+            weight_sync.broadcast(self.sync_group, weight_sync.empty_bucket(bucket, spec.dtype, self.sync_group.device))
+        weight_sync.settle(self.sync_group)
+        return {"sync_seconds": time.perf_counter() - start}
 
     def _gathered_bytes(self) -> int:
         """Bytes of full parameters this rank holds right now (ZeRO-3: only those gathered)."""

@@ -115,12 +115,14 @@ class MicroBatcher:
         return [torch.tensor(m, device=self.device) for m in micros]
 
     @torch.no_grad()
-    def fixed_logprobs(self, model, ids, attention, temperature: float) -> torch.Tensor:
+    def fixed_logprobs(self, model, ids, attention, temperature: float, first_row: int = 0) -> torch.Tensor:
         """Log-probs [N, T-1] of a model that does not change during the step (pi_old, pi_ref),
         in the same micro-batches as the update, so a forward's memory is bounded by the
-        token budget, not the batch."""
+        token budget, not the batch. Rows before `first_row` are left at 0 (not needed)."""
         out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
-        for micro in self.split(torch.arange(ids.shape[0], device=ids.device), attention):
+        if first_row >= ids.shape[0]:
+            return out
+        for micro in self.split(torch.arange(first_row, ids.shape[0], device=ids.device), attention):
             T = int(attention[micro].sum(dim=1).max())
             out[micro, :T - 1] = token_logprobs(model, ids[micro, :T], attention[micro, :T], temperature)
         return out

@@ -35,6 +35,10 @@ class Fixed:
     is_weights: Optional[torch.Tensor] = None
     """Truncated importance weights pi_old / pi_sampler (None: off)."""
     metrics: Dict[str, float] = field(default_factory=dict)
+    first_minibatch_own: bool = False
+    """The first minibatch of the first pass is trained before any optimizer step, so pi_old
+    there is the policy being differentiated: its own log-probs, detached (old_logprobs holds
+    only the other rows; saves that share of a forward pass)."""
     token_level: bool = False
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -57,11 +61,14 @@ class GroupUpdate:
             A = A / (global_std(batch.rewards) + eps)
         single_update = algo.num_iterations == 1 and self.minibatches == 1
         use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
-        # With one update per batch, pi_old is the policy being differentiated: its log-probs
-        # are the same numbers, detached (saves a forward pass; ratio = 1).
+        # Before the first optimizer step pi_old is the policy being differentiated: its
+        # log-probs are the same numbers, detached (ratio = 1). With one update per batch that
+        # is every row (no forward pass for pi_old); otherwise the first minibatch's rows. The
+        # importance weights, and a second pass over the batch, need pi_old for every row.
+        own_rows = 0 if use_is or algo.num_iterations > 1 else len(self.minibatch_rows(len(batch), batch.ids.device)[0])
         old = None if single_update and not use_is else self.micro.fixed_logprobs(
-            policy, batch.ids, batch.attention, temperature)
-        fixed = Fixed(A, old_logprobs=old)
+            policy, batch.ids, batch.attention, temperature, first_row=own_rows)
+        fixed = Fixed(A, old_logprobs=old, first_minibatch_own=own_rows > 0)
         if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
             fixed.is_weights, fixed.metrics = grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask,
                                                                         algo.is_cap)
@@ -79,9 +86,10 @@ class GroupUpdate:
         with torch.no_grad():
             fixed = self.fix(policy, reference, batch, temperature)
         step_metrics: List[Dict[str, float]] = []
-        for _ in range(self.algo.num_iterations):
-            for mb in torch.arange(len(batch), device=batch.ids.device).chunk(self.minibatches):
-                metrics = self.policy_step(policy, mb, batch, fixed, temperature)
+        for iteration in range(self.algo.num_iterations):
+            for k, mb in enumerate(self.minibatch_rows(len(batch), batch.ids.device)):
+                own_old = fixed.old_logprobs is None or (fixed.first_minibatch_own and iteration == 0 and k == 0)
+                metrics = self.policy_step(policy, mb, batch, fixed, temperature, own_old)
                 metrics.update(self.after_policy_step(mb, batch, fixed))
                 metrics["grad_norm"] = float(policy.get_global_grad_norm() or 0.0)
                 step_metrics.append(metrics)
@@ -89,8 +97,14 @@ class GroupUpdate:
         out["advantage_abs_mean"] = float(fixed.advantages.abs().mean())
         return {**out, **fixed.metrics}
 
-    def policy_step(self, policy, mb, batch: Rollouts, fixed: Fixed, temperature: float) -> Dict[str, float]:
-        """One optimizer step of the policy on minibatch `mb` (row indices), in micro-batches."""
+    def minibatch_rows(self, n: int, device) -> List[torch.Tensor]:
+        """Row indices of each minibatch of a batch of n rows, in the order they are trained."""
+        return list(torch.arange(n, device=device).chunk(self.minibatches))
+
+    def policy_step(self, policy, mb, batch: Rollouts, fixed: Fixed, temperature: float,
+                    own_old: bool) -> Dict[str, float]:
+        """One optimizer step of the policy on minibatch `mb` (row indices), in micro-batches;
+        `own_old`: pi_old is the policy's own log-probs, detached (no step taken yet)."""
         micros = self.micro.split(mb, batch.attention)
         num_tokens = None
         if self.algo.loss_agg == "token-mean":  # the batch's tokens, over every rank
@@ -102,7 +116,7 @@ class GroupUpdate:
             if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
                 policy.set_gradient_accumulation_boundary(j == len(micros) - 1)
                 T = int(batch.attention[micro].sum(dim=1).max())  # trim the padding it does not need
-            loss, micro_metrics = self._micro_loss(policy, micro, T, batch, fixed, temperature, num_tokens)
+            loss, micro_metrics = self._micro_loss(policy, micro, T, batch, fixed, temperature, num_tokens, own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
             _accumulate(metrics, micro_metrics, weights[j], len(micros))
         policy.step()
@@ -120,14 +134,15 @@ class GroupUpdate:
         total = max(sum(rows), 1.0)
         return [r / total for r in rows]
 
-    def _micro_loss(self, policy, micro, T: int, batch: Rollouts, fixed: Fixed, temperature: float, num_tokens):
+    def _micro_loss(self, policy, micro, T: int, batch: Rollouts, fixed: Fixed, temperature: float, num_tokens,
+                    own_old: bool):
         algo = self.algo
         logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
                                            with_entropy=True)
         mask = batch.mask[micro, :T - 1]
         loss, metrics = grpo.policy_loss(
             logprobs,
-            logprobs.detach() if fixed.old_logprobs is None else fixed.old_logprobs[micro, :T - 1],
+            logprobs.detach() if own_old else fixed.old_logprobs[micro, :T - 1],
             None if fixed.ref_logprobs is None else fixed.ref_logprobs[micro, :T - 1],
             fixed.advantages[micro, :T - 1] if fixed.token_level else fixed.advantages[micro], mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high,

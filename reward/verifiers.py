@@ -16,6 +16,7 @@ reward/registry.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -103,6 +104,20 @@ def _parse(text: str, timeout: Optional[int]) -> list:
     return parsed or raw
 
 
+@functools.lru_cache(maxsize=8192)
+def _equal(gold_text: str, pred_text: str, timeout: Optional[int]) -> bool:
+    """math_verify's verdict on one (gold, answer) pair. Cached: the G answers of a group share
+    their gold and often each other (parsing was most of a verifier actor's time); a timeout or
+    an error raises through the cache and is not remembered."""
+    import math_verify
+
+    gold = _parse(gold_text, timeout)
+    pred = _parse(pred_text, timeout)
+    if not gold or not pred:
+        return False
+    return bool(math_verify.verify(gold, pred, timeout_seconds=timeout))
+
+
 def math_score(completion: str, answer: str, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
                max_answer_chars: int = MAX_ANSWER_CHARS, raise_timeout: bool = False) -> float:
     """1.0 iff the extracted answer equals the gold ``answer`` mathematically, else 0.0.
@@ -123,15 +138,10 @@ def math_score(completion: str, answer: str, *, timeout_s: Optional[float] = DEF
     if not gold_text:
         return 0.0
     timeout = _mv_timeout(timeout_s)
-    import math_verify
     from math_verify.errors import TimeoutException  # a BaseException, not an Exception
 
     try:
-        gold = _parse(gold_text, timeout)
-        pred = _parse(pred_text, timeout)
-        if not gold or not pred:
-            return 0.0
-        ok = math_verify.verify(gold, pred, timeout_seconds=timeout)
+        ok = _equal(gold_text, pred_text, timeout)
     except TimeoutException:
         if raise_timeout:
             raise VerifierTimeout(f"math-verify ran past {timeout} s") from None

@@ -30,17 +30,27 @@ class WeightReceiver:
         """
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
         start = time.perf_counter()
+        timings: dict = {}
         # The worker's own reload_weights (not its model runner's): it sets vLLM's config context
         # that the layerwise reload reads.
-        self.reload_weights(weights_iterator=self._receive(spec), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=self._receive(spec, timings), is_checkpoint_format=True)
+        weight_sync.settle(self._sync_group)
+        return {"load_s": time.perf_counter() - start, "wait_s": timings.get("wait_s", 0.0)}
+
+    def _receive(self, spec: weight_sync.WeightSpec, timings: dict) -> Iterator[Tuple[str, "object"]]:
+        for bucket, flat in weight_sync.received_buckets(self._sync_group, spec, timings):
+            yield from weight_sync.unpack(flat, bucket)
+
+    def receive_raw(self, wire_spec: dict) -> dict:
+        """The same buckets as `receive_weights`, received and dropped: a plain broadcast of the
+        same bytes over the same group, the yardstick of the sync's rate (bench/weight_sync.py)."""
+        spec = weight_sync.WeightSpec.from_wire(wire_spec)
+        start = time.perf_counter()
+        for bucket in spec.buckets():
+            weight_sync.broadcast(self._sync_group, weight_sync.empty_bucket(bucket, spec.dtype,
+                                                                              self._sync_group.device))
         weight_sync.settle(self._sync_group)
         return {"load_s": time.perf_counter() - start}
-
-    def _receive(self, spec: weight_sync.WeightSpec) -> Iterator[Tuple[str, "object"]]:
-        for bucket in spec.buckets():
-            flat = weight_sync.empty_bucket(bucket, spec.dtype, self._sync_group.device)
-            weight_sync.broadcast(self._sync_group, flat)
-            yield from weight_sync.unpack(flat, bucket)
 
     def weights_checksum(self) -> dict:
         """Sum of each parameter by name, for tests that compare engines."""

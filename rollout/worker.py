@@ -41,6 +41,11 @@ class GenerationWorker:
             # trip to it (bench/results/ab_20261130.txt: start-up and steps both faster). On
             # GPUs vLLM's own process overlaps scheduling with the GPU's work: kept there.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if tp == 1 and current_platform.is_cpu() and rollout_cfg.num_threads:
+            import torch
+
+            # Before the engine starts: vLLM's CPU worker refuses set_num_threads afterwards.
+            torch.set_num_threads(rollout_cfg.num_threads)
         self._stderr = StderrTail()
         try:
             self.llm = self._start_engine(model_path, kv_bytes, tp, seed)
@@ -104,6 +109,11 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_ip(self) -> str:
+        from common.ray_utils import node_ip
+
+        return node_ip()
+
     def sampling_params(self, n: int, greedy: bool, seed: int, temperature: Optional[float] = None,
                         max_tokens: Optional[int] = None):
         from vllm import SamplingParams
@@ -117,6 +127,7 @@ class GenerationWorker:
             top_p=1.0 if greedy else c.top_p,
             top_k=0 if greedy else c.top_k,
             max_tokens=c.max_new_tokens if max_tokens is None else max_tokens,
+            min_tokens=0 if greedy or max_tokens is not None else c.min_new_tokens,
             output_kind=RequestOutputKind.FINAL_ONLY,  # what LLM.generate sets too; episodes need it
             stop=stop or None,
             stop_token_ids=list(c.stop_token_ids) or None,  # the chat format's end of turn
@@ -210,6 +221,10 @@ class GenerationWorker:
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return {"policy_version": version, **timings}
+
+    def receive_raw(self, wire_spec: dict) -> dict:
+        """A plain broadcast of the sync's bytes, dropped on arrival (the bench's yardstick)."""
+        return max(self.llm.collective_rpc("receive_raw", args=(wire_spec,)), key=lambda t: t["load_s"])
 
     def weights_checksum(self) -> list:
         """Per tensor-parallel rank, the sum of each parameter (its shard) by name."""

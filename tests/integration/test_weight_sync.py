@@ -5,6 +5,7 @@ ZeRO-2 and from ZeRO-3 learners. Real Ray, vLLM (CPU build), DeepSpeed over gloo
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import replace
 
 import pytest
@@ -45,15 +46,21 @@ def model_and_workers(request, roles, system_cfg):
     roles.channel.recover()  # re-join the session's learner and push its weights back
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, zero_stage, tmp_path):
+@pytest.mark.parametrize("zero_stage,transport", [(2, "broadcast"), (3, "shm")])
+def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, zero_stage, transport, tmp_path):
     cfg, pool = model_and_workers
     learner = warmed_learner(cfg, zero_stage)
     try:
-        # Small buckets: several broadcasts, and under ZeRO-3 several gathers.
-        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+        # Small buckets: several broadcasts (or shared-file buckets), and under ZeRO-3 several gathers.
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120,
+                                    transport=transport)
+        shm_path = channel.spec["shm_path"]
+        assert (shm_path is not None) == (transport == "shm")
         metrics = channel.push(7)
         assert pool.versions() == [7, 7]
+        assert shm_path is None or not os.path.exists(shm_path), "the shared file outlived the first push"
+        channel.push(8)  # later pushes reuse the mappings, with the file's name gone
+        assert pool.versions() == [8, 8]
         folder = learner.save_pretrained(str(tmp_path / "saved"))
     finally:
         learner.shutdown()

@@ -134,6 +134,9 @@ def test_max_new_tokens_must_leave_room_for_prompt():
     ("data.min_digits=1", "data.min_digits"),
     ("trainer.progress=maybe", "trainer.progress"),
     ("rollout.kv_cache_gib=0", "rollout.kv_cache_gib"),
+    ("rollout.min_new_tokens=33", "rollout.min_new_tokens"),
+    ("learner.num_threads=-1", "learner.num_threads"),
+    ("rollout.num_threads=-1", "rollout.num_threads"),
 ])
 def test_other_invalid_values_name_the_key(override, key):
     assert key in config_error(override)
@@ -278,3 +281,15 @@ def test_actors_receive_the_typed_sections():
             annotation(GenerationWorker.__init__, "rollout_cfg")} == {"RolloutConfig"}
     assert annotation(VerifierPool.__init__, "settings") == "RewardConfig"
     assert all(isinstance(c, type) for c in (AlgoConfig, LearnerConfig, RewardConfig, RolloutConfig))
+
+
+def test_min_new_tokens_reaches_training_samples_only():
+    from types import SimpleNamespace
+
+    from common.config import RolloutConfig
+    from rollout.worker import GenerationWorker
+
+    worker = SimpleNamespace(cfg=RolloutConfig(min_new_tokens=5), format=None)
+    assert GenerationWorker.sampling_params(worker, 8, False, 1).min_tokens == 5
+    assert GenerationWorker.sampling_params(worker, 1, True, 1).min_tokens == 0  # greedy evaluation
+    assert GenerationWorker.sampling_params(worker, 1, False, 1, max_tokens=9).min_tokens == 0  # an episode's turn

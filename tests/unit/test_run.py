@@ -28,3 +28,27 @@ def test_close_stops_every_part_even_when_one_fails(capsys):
     assert "stop_batches failed while stopping: RuntimeError: batches is stuck" in capsys.readouterr().err
     run.close()  # twice: nothing left to stop
     assert log == ["batches", "logger", "roles"]
+
+
+def test_threads_follow_the_mode_and_the_cpus():
+    from cluster.preflight import plan_threads
+
+    cfg = Config()  # 2 learner ranks, 2 engines, sync
+    line = plan_threads(cfg, 16)
+    assert (cfg.learner.num_threads, cfg.rollout.num_threads) == (8, 8)  # the phases take turns
+    assert line == ("CPU threads: 2 learner ranks x 8, 2 vLLM engines x 8 (sync mode: the phases take turns "
+                    "on 16 CPUs per node)")
+    cfg = Config()
+    cfg.trainer.mode = "async"
+    plan_threads(cfg, 16)
+    assert (cfg.learner.num_threads, cfg.rollout.num_threads) == (4, 4)  # both at once: no oversubscription
+    cfg = Config()
+    plan_threads(cfg, 2)
+    assert (cfg.learner.num_threads, cfg.rollout.num_threads) == (1, 1)  # never 0
+    cfg = Config()
+    cfg.learner.num_threads = 3  # set by hand: kept
+    plan_threads(cfg, 16)
+    assert (cfg.learner.num_threads, cfg.rollout.num_threads) == (3, 8)
+    cfg = Config()
+    cfg.learner.num_gpus_per_rank, cfg.rollout.num_gpus_per_worker = 1, 1
+    assert plan_threads(cfg, 16) is None and cfg.learner.num_threads == 0  # GPUs: nothing to plan
