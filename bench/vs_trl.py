@@ -24,7 +24,9 @@ temperature 1.0; learning_rate --lr (default 7e-4, the built-in job's GRPO rate)
 min_tokens here and `min_new_tokens` in TRL's generation kwargs; beta 0.04 (k3 KL, as TRL computes it); epsilon 0.2; loss_type "grpo"
 (sequence mean of token means, as algo.loss_agg=seq-mean-token-mean); scale_rewards "group";
 rewards: math 1.0 + format 0.1, computed by this project's own verifier functions; float32 on
-CPU (bf16=False), no vLLM (TRL's CPU path is HF generate).
+CPU (bf16=False), no vLLM (TRL's CPU path is HF generate); gradient_checkpointing=False (TRL's
+default is True; this project does not recompute activations, and on this model it only costs
+time).
 """
 from __future__ import annotations
 
@@ -127,7 +129,8 @@ def trl_child(start: str, steps: int, result: str, seed: int, settings: dict) ->
         steps_per_generation=MINIBATCHES, num_generations=G, max_completion_length=new_tokens,
         generation_kwargs={"min_new_tokens": settings["min_new_tokens"]} if settings["min_new_tokens"] else None,
         temperature=1.0, beta=BETA, epsilon=EPS, loss_type="grpo", scale_rewards="group",
-        reward_weights=[1.0, 0.1], use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        reward_weights=[1.0, 0.1], use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        logging_steps=1, save_strategy="no",
         seed=seed, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[math_reward, format_reward], args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[Clock()])
@@ -147,6 +150,9 @@ def trl_child(start: str, steps: int, result: str, seed: int, settings: dict) ->
 def greedy_accuracy(model, tokenizer, problems, score, new_tokens: int) -> float:
     import torch
 
+    # Left in training mode with gradient checkpointing, HF generate drops its KV cache and
+    # decodes garbage (an earlier run of this bench scored TRL's model 0.0% so).
+    model.eval()
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id
     right = 0

@@ -104,11 +104,18 @@ def _parse(text: str, timeout: Optional[int]) -> list:
     return parsed or raw
 
 
+_PLAIN_INTEGER = re.compile(r"[+-]?\d{1,1000}")
+
+
 @functools.lru_cache(maxsize=8192)
 def _equal(gold_text: str, pred_text: str, timeout: Optional[int]) -> bool:
     """math_verify's verdict on one (gold, answer) pair. Cached: the G answers of a group share
     their gold and often each other (parsing was most of a verifier actor's time); a timeout or
-    an error raises through the cache and is not remembered."""
+    an error raises through the cache and is not remembered. Two plain integers are compared
+    as integers: math_verify's verdict on them is integer equality (`007` == `7`, `-0` == `0`),
+    at a thousandth of its cost."""
+    if _PLAIN_INTEGER.fullmatch(gold_text) and _PLAIN_INTEGER.fullmatch(pred_text):
+        return int(gold_text) == int(pred_text)
     import math_verify
 
     gold = _parse(gold_text, timeout)

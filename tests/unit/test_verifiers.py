@@ -228,3 +228,14 @@ def test_custom_verifier_by_import_path(tmp_path):
     shadow = RewardConfig(verifiers=["math"], weights={"math": 1.0}, custom={"math": "my_rewards:brevity"})
     with pytest.raises(ValueError, match="built-in"):
         check_settings(shadow, [str(tmp_path)])
+
+
+@pytest.mark.parametrize("gold,pred", [("7", "007"), ("-0", "0"), ("+5", "5"), ("132", "133"), ("-12", "12"),
+                                       ("1" * 50, "1" * 50), ("1" * 50, "1" * 49 + "2"), ("0", "00")])
+def test_plain_integers_get_math_verify_s_verdict_without_it(gold, pred):
+    import math_verify
+
+    from reward.verifiers import _equal, _parse
+
+    expected = bool(math_verify.verify(_parse(gold, None), _parse(pred, None)))
+    assert _equal.__wrapped__(gold, pred, None) == expected  # uncached: the integer comparison itself
