@@ -4,7 +4,8 @@
     .venv/bin/python bench/vs_trl.py [--steps 20] [--start MODEL_DIR] [--lr LR] [overrides for ours...]
     # the 10 M model, 128-token completions, 16 prompts a step, untrained start:
     .venv/bin/python bench/vs_trl.py --steps 5 --no-warmup --prompts-per-step 16 --new-tokens 128 \
-        --min-new-tokens 128 --model model.hidden_size=256 model.num_layers=10 model.intermediate_size=1024
+        --min-new-tokens 128 --model model.hidden_size=256 model.num_layers=10 model.intermediate_size=1024 \
+        model.max_position_embeddings=256
 
 1. The start model: the default job's post-warm-up policy (`grpo train trainer.max_steps=0`
    writes it as final_model/), unless --start names one; --model sets the built-in model's
@@ -48,7 +49,8 @@ def shared_overrides(s: dict) -> list:
     """This project's config for the settings both runs share (`s`: the bench's arguments; the
     model's size is the start folder's)."""
     return [f"trainer.prompts_per_step={s['prompts_per_step']}", f"rollout.max_new_tokens={s['new_tokens']}",
-            f"rollout.min_new_tokens={s['min_new_tokens']}", f"learner.lr={s['lr']}"]
+            f"rollout.min_new_tokens={s['min_new_tokens']}", f"learner.lr={s['lr']}",
+            f"rollout.max_model_len={max(128, s['new_tokens'] + 64)}"]  # room for the prompt
 
 
 def start_model(out: Path, overrides, warmup: bool) -> str:
