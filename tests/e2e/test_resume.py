@@ -22,7 +22,8 @@ from helpers import GRPO, run
 STEPS = 4
 KILL_AFTER = 2  # 16 training prompts, 8 per step: step 2 ends the first epoch
 # Wall-clock timings and memory readings vary between any two runs; everything else must not.
-TIMING = ("time_", "learner_seconds", "sync_seconds", "sync_gbps", "sync_load_seconds", "learner_peak_memory_mb",
+TIMING = ("time_", "learner_seconds", "sync_seconds", "sync_gbps", "sync_load_seconds", "sync_pack_seconds",
+          "sync_wait_seconds", "learner_peak_memory_mb",
           "tokens_per_s", "generate_tokens_per_s", "wall_seconds")
 
 
