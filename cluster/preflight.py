@@ -100,11 +100,12 @@ def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None
 
 
 def node_cpus() -> int:
-    """CPUs of the smallest node of the connected Ray (the roles may share any one of them)."""
+    """CPUs of the smallest node of the connected Ray that has any (the roles may share any one
+    of them; a head started with no CPUs holds no role)."""
     import ray
 
     counts = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
-    return max(min(counts, default=1), 1)
+    return min([c for c in counts if c > 0], default=1)
 
 
 def plan_threads(cfg: Config, cpus: int) -> Optional[str]:
