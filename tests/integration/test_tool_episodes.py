@@ -150,8 +150,27 @@ def test_hostile_tool_calls_are_contained_by_the_sandbox(worker):
     assert seen["h7="].startswith("x" * 100) and "more characters]" in seen["h7="]  # 1 GB, cut
     assert len(seen["h7="]) < 200
     assert stats["tool_calls"] == len(prompts) and stats["tool_timeouts"] >= 1
-    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_sandbox(pid)]
+    # Ours: started under this process (the engine and its tools run here), or orphaned (an
+    # escaped child is re-parented to pid 1). The other test worker's verifier sandboxes are
+    # neither, and may be running right now.
+    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_sandbox(pid)
+                 and (_descends_from(int(pid), os.getpid()) or _parent(int(pid)) == 1)]
     assert not leftovers, "sandbox processes outlived their calls"
+
+
+def _parent(pid: int) -> int:
+    try:  # the field after the command name, which may itself hold spaces and parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = _parent(pid)
+    return False
 
 
 def _is_sandbox(pid: str) -> bool:
