@@ -55,7 +55,7 @@ class WeightSpec:
 
     def buckets(self) -> List[List[TensorSpec]]:
         """Tensors grouped in order into buckets of at most bucket_bytes (a larger tensor goes alone)."""
-        itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        itemsize = self.itemsize
         buckets: List[List[TensorSpec]] = [[]]
         size = 0
         for spec in self.tensors:
@@ -83,8 +83,7 @@ class WeightSpec:
 
     @property
     def total_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return sum(s.numel for s in self.tensors) * itemsize
+        return sum(s.numel for s in self.tensors) * self.itemsize
 
 
 def full_shape(tensor: torch.Tensor) -> Tuple[int, ...]:

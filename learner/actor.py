@@ -48,6 +48,7 @@ class LearnerRank:
         self.update = make_update(algo, cfg.minibatches, max_new_tokens, self.micro, world_size, self.critic)
         self.ref_model = None
         self.sync_group = None
+        self._send_buffers: Optional[List[torch.Tensor]] = None  # see _staging
 
     def _init_distributed(self, master_addr: str, master_port: int) -> None:
         # Ray sets none of torch.distributed's variables; DeepSpeed reads them from the env.
@@ -241,7 +242,7 @@ class LearnerRank:
         if self.sync_group.device != "cpu":
             return weight_sync.empty_bucket(bucket, spec.dtype, self.sync_group.device)
         numel = sum(t.numel for t in bucket)
-        buffers = getattr(self, "_send_buffers", None)
+        buffers = self._send_buffers
         if buffers is None or buffers[0].dtype != weight_sync.DTYPES[spec.dtype] or buffers[0].numel() < numel:
             size = max(numel, spec.bucket_bytes // spec.itemsize)
             buffers = self._send_buffers = [torch.empty(size, dtype=weight_sync.DTYPES[spec.dtype]) for _ in range(2)]
