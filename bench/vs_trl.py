@@ -2,6 +2,8 @@
 
     .venv/bin/pip install -e ".[bench]"         # brings trl (and accelerate); nothing else
     .venv/bin/python bench/vs_trl.py [--steps 20] [--start MODEL_DIR] [--lr LR] [overrides for ours...]
+    # accuracy beside TRL's over several seeds (one sampled run each says little: see the table's range)
+    .venv/bin/python bench/vs_trl.py --lr 1e-4 --lr-schedule constant --seeds 0 1 2
     # the 10 M model, 128-token completions, 16 prompts a step, untrained start:
     .venv/bin/python bench/vs_trl.py --steps 5 --no-warmup --prompts-per-step 16 --new-tokens 128 \
         --min-new-tokens 128 --model model.hidden_size=256 model.num_layers=10 model.intermediate_size=1024 \
@@ -20,8 +22,9 @@ time until the first step starts.
 TRL settings, chosen to compute what this project computes by default: G = num_generations = 8;
 64 prompts per step (generation_batch_size 512); steps_per_generation = 2 (learner.minibatches:
 two optimizer steps per batch, the second off-policy, clipped); max_completion_length = 32;
-temperature 1.0; learning_rate --lr (default 7e-4, the built-in job's GRPO rate), linear decay
-(this project decays to 0.1 of it, TRL to 0: the nearest TRL has); --min-new-tokens as vLLM's
+temperature 1.0; learning_rate --lr (default 7e-4, the built-in job's GRPO rate); --lr-schedule
+linear (default: this project decays to 0.1 of lr per GRPO step, TRL to 0 per optimizer step, the
+nearest each has) or constant (identical in both); --min-new-tokens as vLLM's
 min_tokens here and `min_new_tokens` in TRL's generation kwargs; beta 0.04 (k3 KL, as TRL computes it); epsilon 0.2; loss_type "grpo"
 (sequence mean of token means, as algo.loss_agg=seq-mean-token-mean); scale_rewards "group";
 rewards: math 1.0 + format 0.1, computed by this project's own verifier functions; float32 on
@@ -50,6 +53,7 @@ def shared_overrides(s: dict) -> list:
     model's size is the start folder's)."""
     return [f"trainer.prompts_per_step={s['prompts_per_step']}", f"rollout.max_new_tokens={s['new_tokens']}",
             f"rollout.min_new_tokens={s['min_new_tokens']}", f"learner.lr={s['lr']}",
+            f"learner.lr_schedule={s['lr_schedule']}",
             f"rollout.max_model_len={max(128, s['new_tokens'] + 64)}"]  # room for the prompt
 
 
@@ -127,7 +131,7 @@ def trl_child(start: str, steps: int, result: str, seed: int, settings: dict) ->
 
     config = GRPOConfig(
         output_dir=str(Path(result).parent / "trl-run"), max_steps=steps * MINIBATCHES, learning_rate=settings["lr"],
-        lr_scheduler_type="linear", per_device_train_batch_size=prompts_per_step * G // MINIBATCHES,
+        lr_scheduler_type=settings["lr_schedule"], per_device_train_batch_size=prompts_per_step * G // MINIBATCHES,
         steps_per_generation=MINIBATCHES, num_generations=G, max_completion_length=new_tokens,
         generation_kwargs={"min_new_tokens": settings["min_new_tokens"]} if settings["min_new_tokens"] else None,
         temperature=1.0, beta=BETA, epsilon=EPS, loss_type="grpo", scale_rewards="group",
@@ -176,8 +180,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--start", default=None, help="a Hugging Face folder to start both from")
     parser.add_argument("--output-dir", default="runs/vs_trl")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the start model's seed (its warm-up and data)")
+    parser.add_argument("--seeds", type=int, nargs="*", default=None,
+                        help="run both once per seed (sampling, prompt order, held-out problems) from the same "
+                             "start model; the table shows the mean and the range (default: --seed alone)")
     parser.add_argument("--lr", type=float, default=7e-4, help="both runs' learning rate")
+    parser.add_argument("--lr-schedule", choices=("linear", "constant"), default="linear",
+                        help="linear: this project decays to 0.1 of lr per GRPO step, TRL to 0 per optimizer "
+                             "step (the nearest each has); constant: identical in both")
     parser.add_argument("--prompts-per-step", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32, help="max completion tokens, both runs")
     parser.add_argument("--min-new-tokens", type=int, default=0, help="min completion tokens, both runs")
@@ -188,28 +198,51 @@ def main() -> None:
     out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     settings = {"prompts_per_step": args.prompts_per_step, "new_tokens": args.new_tokens,
-                "min_new_tokens": args.min_new_tokens, "lr": args.lr, "model": args.model}
+                "min_new_tokens": args.min_new_tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
+                "model": args.model}
     start = args.start or start_model(out, [f"trainer.seed={args.seed}", *args.model], not args.no_warmup)
-    ours = run_ours(start, args.steps, out, [f"trainer.seed={args.seed}", *shared_overrides(settings), *args.overrides])
-    trl = run_trl(start, args.steps, out, args.seed, settings)
-    rows = [("seconds per GRPO step (median)", "step_s", "{:.2f}"),
-            ("completion tokens/s", "tokens_per_s", "{:.0f}"),
-            ("held-out greedy accuracy after the steps", "after", "{:.1%}"),
-            ("seconds until the first step starts", "startup_s", "{:.0f}"),
-            ("whole process, seconds", "process_s", "{:.0f}")]
-    lines = [f"start model: {start} (held-out greedy accuracy {ours['before']:.1%}); {args.steps} GRPO steps each",
-             "", "| | this project | TRL GRPOTrainer | this project / TRL |", "| --- | --- | --- | --- |"]
-    for label, key, fmt in rows:
-        ratio = ours[key] / trl[key] if trl[key] else float("nan")
-        if key in ("step_s", "startup_s", "process_s"):
-            ratio = trl[key] / ours[key]  # a speed ratio: above 1 means this project is faster
-        shown = f"{ratio:.2f}x" if ratio == ratio else "n/a"  # NaN: TRL's value was 0
-        lines.append(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {shown} |")
-    lines.append("\n(ratios are speed ratios: above 1x this project is faster; for accuracy, the plain ratio)")
-    table = "\n".join(lines)
+    runs = []
+    for seed in args.seeds or [args.seed]:
+        ours = run_ours(start, args.steps, out, [f"trainer.seed={seed}", *shared_overrides(settings), *args.overrides])
+        runs.append((seed, ours, run_trl(start, args.steps, out, seed, settings)))
+    table = format_table(start, args.steps, runs)
     print(table)
     (out / "vs_trl.md").write_text(f"command: {' '.join(sys.argv)}\n\n{table}\n")
 
+
+ROWS = [("seconds per GRPO step (median)", "step_s", "{:.2f}"),
+        ("completion tokens/s", "tokens_per_s", "{:.0f}"),
+        ("held-out greedy accuracy after the steps", "after", "{:.1%}"),
+        ("seconds until the first step starts", "startup_s", "{:.0f}"),
+        ("whole process, seconds", "process_s", "{:.0f}")]
+SPEEDS = ("step_s", "startup_s", "process_s")  # shown as TRL / this project: above 1x this project is faster
+
+
+def format_table(start: str, steps: int, runs) -> str:
+    """One row per measure: each side's mean over the seeds (with the range when there are
+    several) and the ratio of the means; then the accuracies seed by seed."""
+    def cell(side: int, key: str, fmt: str) -> str:
+        values = [r[side][key] for r in runs]
+        mean = statistics.fmean(values)
+        spread = f" ({fmt.format(min(values))} to {fmt.format(max(values))})" if len(values) > 1 else ""
+        return fmt.format(mean) + spread
+
+    seeds = [seed for seed, _, _ in runs]
+    lines = [f"start model: {start}; {steps} GRPO steps each; seeds {seeds}"
+             + (", means over them (range)" if len(runs) > 1 else ""),
+             "", "| | this project | TRL GRPOTrainer | this project / TRL |", "| --- | --- | --- | --- |"]
+    for label, key, fmt in ROWS:
+        ours, trl = (statistics.fmean(r[side][key] for r in runs) for side in (1, 2))
+        ratio = (trl / ours if key in SPEEDS else ours / trl) if trl and ours else float("nan")
+        shown = f"{ratio:.2f}x" if ratio == ratio else "n/a"  # NaN: a value was 0
+        lines.append(f"| {label} | {cell(1, key, fmt)} | {cell(2, key, fmt)} | {shown} |")
+    lines.append("\n(ratios are speed ratios: above 1x this project is faster; for accuracy, the plain ratio)")
+    lines += ["", "| seed | held-out before (both) | this project after | TRL after | difference (points) |",
+              "| --- | --- | --- | --- | --- |"]
+    for seed, ours, trl in runs:
+        lines.append(f"| {seed} | {ours['before']:.1%} | {ours['after']:.1%} | {trl['after']:.1%} | "
+                     f"{100 * (ours['after'] - trl['after']):+.1f} |")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,10 @@ def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_p
     """151,936-token vocabulary, 700-token rows, budget 700 tokens (one row per micro-batch).
     What a micro-batch may hold at once: its logits, their gradient and float32 chunks, under
     3 x budget x vocab x 4 bytes (1.28 GB); the full batch's logits alone would be 4 x 425 MB,
-    with a float32 log-softmax 3 more copies. Twice the rows must not raise the peak."""
+    with a float32 log-softmax 3 more copies. Twice the rows must not raise the peak: holding the
+    logits of more than one micro-batch at once would add at least 425 MB a row (850 MB for the
+    2 more rows), while the peak of steps of one size varies by about 110 MB from step to
+    step (897-1006 MiB over 7 steps of one process), so the allowance is half a row's logits."""
     budget, vocab = 700, 151936
     # the first step (its one-time allocations) is not measured
     proc = subprocess.run([sys.executable, SCENARIO, str(tmp_path), str(budget), "2", "2", "4"],
@@ -25,4 +28,4 @@ def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_p
     small, large = out["2"], out["4"]
     assert large["micro_batches"] == 4 and small["micro_batches"] == 2
     assert small["rise_bytes"] <= bound and large["rise_bytes"] <= bound, out
-    assert large["rise_bytes"] <= small["rise_bytes"] + 0.1 * bound, out
+    assert large["rise_bytes"] <= small["rise_bytes"] + budget * vocab * 4 / 2, out
