@@ -15,11 +15,7 @@ def pytest_collection_modifyitems(config, items):
     """Each test is marked with its tier, the folder it lives in (`pytest -m unit`), and with the
     group pytest-xdist's `--dist loadgroup` keeps on one worker: its module (a module's fixtures
     start once), except that every module using the session's actors (`roles`) joins one group,
-    so that those actors start once per suite rather than once per worker.
-
-    The order is the order the workers take the groups in (with `--no-loadscope-reorder`): the
-    longest group first (the shared actors' modules), then end-to-end, integration, and the
-    unit tier, whose short tests fill the workers' last minutes evenly."""
+    so that those actors start once per suite rather than once per worker."""
     shares_roles = {item.path for item in items if "roles" in getattr(item, "fixturenames", ())}
     for item in items:
         tier = item.path.parent.name
@@ -27,8 +23,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         group = "session-roles" if item.path in shares_roles else f"{tier}/{item.path.name}"
         item.add_marker(pytest.mark.xdist_group(group))
-    order = {"e2e": 1, "integration": 2, "unit": 3}
-    items.sort(key=lambda item: 0 if item.path in shares_roles else order.get(item.path.parent.name, 2))
 
 
 @pytest.fixture(scope="session")
