@@ -244,5 +244,6 @@ def format_table(start: str, steps: int, runs) -> str:
                      f"{100 * (ours['after'] - trl['after']):+.1f} |")
     return "\n".join(lines)
 
+
 if __name__ == "__main__":
     main()

@@ -12,17 +12,34 @@ TIERS = ("unit", "integration", "e2e")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`), and with the
-    group pytest-xdist's `--dist loadgroup` keeps on one worker: its module (a module's fixtures
-    start once), except that every module using the session's actors (`roles`) joins one group,
-    so that those actors start once per suite rather than once per worker."""
-    shares_roles = {item.path for item in items if "roles" in getattr(item, "fixturenames", ())}
+    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`)."""
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
-        group = "session-roles" if item.path in shares_roles else f"{tier}/{item.path.name}"
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+# The modules that use the session's actors (`roles`): one work unit under `--dist loadfile`.
+SHARES_ROLES = ("tests/integration/test_system.py", "tests/integration/test_weight_sync.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (what `make test` runs) as pytest-xdist has it, one module per work unit
+    so that a module's fixtures start once, except that the modules in SHARES_ROLES are one
+    unit: the session's engines, verifiers and learner then start once per suite, not once per
+    worker. (xdist's own `loadgroup` cannot do this under pytest 9.2: it renames the tests
+    through an attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileSharingRoles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "session roles" if module in SHARES_ROLES else module
+
+    return LoadFileSharingRoles(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -60,11 +60,12 @@ def head():
     proc.terminate()
     try:
         proc.wait(30)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
-        except ProcessLookupError:
-            pass
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    except ProcessLookupError:
+        pass
     shutil.rmtree(temp, ignore_errors=True)
 
 
