@@ -221,21 +221,21 @@ SPEEDS = ("step_s", "startup_s", "process_s")  # shown as TRL / this project: ab
 def format_table(start: str, steps: int, runs) -> str:
     """One row per measure: each side's mean over the seeds (with the range when there are
     several) and the ratio of the means; then the accuracies seed by seed."""
-    def cell(side: int, key: str, fmt: str) -> str:
-        values = [r[side][key] for r in runs]
-        mean = statistics.fmean(values)
+    def cell(values: list, fmt: str) -> str:
         spread = f" ({fmt.format(min(values))} to {fmt.format(max(values))})" if len(values) > 1 else ""
-        return fmt.format(mean) + spread
+        return fmt.format(statistics.fmean(values)) + spread
 
     seeds = [seed for seed, _, _ in runs]
     lines = [f"start model: {start}; {steps} GRPO steps each; seeds {seeds}"
              + (", means over them (range)" if len(runs) > 1 else ""),
              "", "| | this project | TRL GRPOTrainer | this project / TRL |", "| --- | --- | --- | --- |"]
     for label, key, fmt in ROWS:
-        ours, trl = (statistics.fmean(r[side][key] for r in runs) for side in (1, 2))
-        ratio = (trl / ours if key in SPEEDS else ours / trl) if trl and ours else float("nan")
+        ours, trl = ([r[side][key] for r in runs] for side in (1, 2))
+        mean_ours, mean_trl = statistics.fmean(ours), statistics.fmean(trl)
+        ratio = (mean_trl / mean_ours if key in SPEEDS else mean_ours / mean_trl) if mean_trl and mean_ours \
+            else float("nan")
         shown = f"{ratio:.2f}x" if ratio == ratio else "n/a"  # NaN: a value was 0
-        lines.append(f"| {label} | {cell(1, key, fmt)} | {cell(2, key, fmt)} | {shown} |")
+        lines.append(f"| {label} | {cell(ours, fmt)} | {cell(trl, fmt)} | {shown} |")
     lines.append("\n(ratios are speed ratios: above 1x this project is faster; for accuracy, the plain ratio)")
     lines += ["", "| seed | held-out before (both) | this project after | TRL after | difference (points) |",
               "| --- | --- | --- | --- | --- |"]
