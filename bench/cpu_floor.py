@@ -98,6 +98,13 @@ def processes(command: list) -> None:
     for cmd, cpu in seen.values():
         by_kind[kind(cmd)][0] += cpu
         by_kind[kind(cmd)][1] += 1
+    # A process seen only by its kernel name has it cut to 15 characters (ray::LearnerRan).
+    for short in [k for k in by_kind if len(k) == 15]:
+        full = next((k for k in by_kind if k != short and k.startswith(short)), None)
+        if full:
+            cpu, count = by_kind.pop(short)
+            by_kind[full][0] += cpu
+            by_kind[full][1] += count
     total = sum(cpu for cpu, _ in by_kind.values())
     print(f"\n`{' '.join(command)}`: exit {child.returncode}, {wall:.0f} s wall, machine busy "
           f"{(busy1 - busy0) / max(total1 - total0, 1):.0%} of {os.cpu_count()} CPUs, "
