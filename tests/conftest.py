@@ -62,11 +62,11 @@ def ray_session():
     import ray
 
     from cluster.preflight import ACTOR_ENV
+    from common.ray_utils import start_local_ray
 
     # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
-    # address="local": each xdist worker starts a Ray of its own instead of joining the other's.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": ACTOR_ENV})
+    # A local Ray: each xdist worker starts one of its own instead of joining the other's.
+    start_local_ray(num_cpus=8, env_vars=ACTOR_ENV)
     yield ray
     ray.shutdown()
 
