@@ -26,9 +26,9 @@ def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = 
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": env_vars} if env_vars else None
     if address:
-        context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="ERROR")
+        context = ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None,
+                           log_to_driver=False, logging_level="ERROR")
         url = getattr(context, "dashboard_url", None)
         return f"http://{url}" if url and not url.startswith("http") else url
     start_local_ray(num_cpus, num_gpus, env_vars)
@@ -49,7 +49,7 @@ def start_local_ray(num_cpus: int | None, num_gpus: int | None = None, env_vars:
              # while the actors import vLLM, torch and DeepSpeed, on the same cores. Without
              # them a small run's actors were ready 3.0 s sooner on average on 2 cores (6
              # interleaved pairs: 5 sooner by 2.7-6.8 s, one later by 4.3 s; the machine's own
-             # drift between runs is of that size).
+             # drift between runs is of that size). A RayConfig key of the Ray setup.py pins.
              _system_config={"prestart_worker_first_driver": False})
 
 
