@@ -49,7 +49,9 @@ def machine_busy() -> tuple:
 
 
 def process_cpu() -> dict:
-    """{(pid, start time): (command line, CPU seconds so far)} for every process now."""
+    """{(pid, start time): (command line, kernel name, CPU seconds so far)} for every process now.
+    An exiting process has no command line any more, and the kernel cuts its name to 15
+    characters (ray::LearnerRan)."""
     found = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -61,7 +63,7 @@ def process_cpu() -> dict:
             continue
         fields = stat.rsplit(")", 1)[1].split()
         name = stat[stat.index("(") + 1:stat.rindex(")")]
-        found[(pid, fields[19])] = (cmd.strip() or name, (int(fields[11]) + int(fields[12])) / TICK)
+        found[(pid, fields[19])] = (cmd.strip(), name, (int(fields[11]) + int(fields[12])) / TICK)
     return found
 
 
@@ -78,7 +80,7 @@ def kind(cmd: str) -> str:
             return daemon
     if cmd.startswith("VLLM::"):
         return cmd.split()[0]
-    return "other: " + cmd[:50]
+    return "other: " + " ".join(cmd.split())[:50]
 
 
 def processes(command: list) -> None:
@@ -88,9 +90,10 @@ def processes(command: list) -> None:
     child = subprocess.Popen(command)
     seen = {}
     while child.poll() is None:
-        for key, (cmd, cpu) in process_cpu().items():
+        for key, (cmd, name, cpu) in process_cpu().items():
             if key not in before:
-                seen[key] = (cmd, max(cpu, seen.get(key, ("", 0.0))[1]))
+                known = seen.get(key, ("", 0.0))
+                seen[key] = (cmd or known[0] or name, max(cpu, known[1]))
         time.sleep(0.5)
     busy1, total1 = machine_busy()
     wall = time.time() - started
@@ -98,13 +101,6 @@ def processes(command: list) -> None:
     for cmd, cpu in seen.values():
         by_kind[kind(cmd)][0] += cpu
         by_kind[kind(cmd)][1] += 1
-    # A process seen only by its kernel name has it cut to 15 characters (ray::LearnerRan).
-    for short in [k for k in by_kind if len(k) == 15]:
-        full = next((k for k in by_kind if k != short and k.startswith(short)), None)
-        if full:
-            cpu, count = by_kind.pop(short)
-            by_kind[full][0] += cpu
-            by_kind[full][1] += count
     total = sum(cpu for cpu, _ in by_kind.values())
     print(f"\n`{' '.join(command)}`: exit {child.returncode}, {wall:.0f} s wall, machine busy "
           f"{(busy1 - busy0) / max(total1 - total0, 1):.0%} of {os.cpu_count()} CPUs, "
@@ -139,7 +135,8 @@ def phases(overrides: list) -> None:
             samples.append((previous[0], now, (busy - previous[1]) / max(total - previous[2], 1)))
             previous = (now, busy, total)
             if len(samples) % 4 == 0:  # every 0.2 s: reading every process costs CPU itself
-                per_process.append((now, {key: (kind(cmd), cpu) for key, (cmd, cpu) in process_cpu().items()}))
+                per_process.append((now, {key: (kind(cmd or name), cpu)
+                                         for key, (cmd, name, cpu) in process_cpu().items()}))
 
     threading.Thread(target=sample, daemon=True).start()
     sys.argv = ["grpo", "train", *overrides]
