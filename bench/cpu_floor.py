@@ -185,11 +185,15 @@ learner = LearnerRank(rank, world, "127.0.0.1", port, path, LearnerConfig(num_ra
                       AlgoConfig(), 32, 0)
 learner.snapshot_reference()
 rng = random.Random(rank)
-def groups(n, G=8):
-    return [PromptGroup(index=i, prompt="", answer="", prompt_ids=[rng.randrange(3, 200) for _ in range(7)],
-                        completions=[""] * G, policy_version=0, finish_reasons=["stop"] * G,
-                        completion_ids=[[rng.randrange(3, 200) for _ in range(rng.randint(16, 32))] for _ in range(G)],
-                        rewards=[float(rng.random() < 0.3) for _ in range(G)]) for i in range(n)]
+def groups(n, G=8):  # with the sampler's log-probs, as vLLM's groups have them (importance weights on)
+    out = []
+    for i in range(n):
+        ids = [[rng.randrange(3, 200) for _ in range(rng.randint(16, 32))] for _ in range(G)]
+        out.append(PromptGroup(index=i, prompt="", answer="", prompt_ids=[rng.randrange(3, 200) for _ in range(7)],
+                               completions=[""] * G, policy_version=0, finish_reasons=["stop"] * G, completion_ids=ids,
+                               rewards=[float(rng.random() < 0.3) for _ in range(G)],
+                               sampler_logprobs=[[-5.5 + rng.random() for _ in c] for c in ids]))
+    return out
 for _ in range(2):
     learner.train_on(groups(32), 1.0, 1e-4)
 times = []

@@ -37,8 +37,9 @@ class Fixed:
     metrics: Dict[str, float] = field(default_factory=dict)
     first_minibatch_own: bool = False
     """The first minibatch of the first pass is trained before any optimizer step, so pi_old
-    there is the policy being differentiated: its own log-probs, detached (old_logprobs holds
-    only the other rows; saves that share of a forward pass)."""
+    there is the policy being differentiated: its own log-probs, detached. Those rows of
+    old_logprobs (and is_weights) are filled in by that forward, which saves that share of
+    pi_old's forward pass."""
     token_level: bool = False
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -59,19 +60,22 @@ class GroupUpdate:
                                     eps=eps, estimator=algo.adv_estimator)
         if scale == "batch":
             A = A / (global_std(batch.rewards) + eps)
-        single_update = algo.num_iterations == 1 and self.minibatches == 1
         use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
         # Before the first optimizer step pi_old is the policy being differentiated: its
-        # log-probs are the same numbers, detached (ratio = 1). With one update per batch that
-        # is every row (no forward pass for pi_old); otherwise the first minibatch's rows. The
-        # importance weights, and a second pass over the batch, need pi_old for every row.
-        own_rows = 0 if use_is or algo.num_iterations > 1 else len(self.minibatch_rows(len(batch), batch.ids.device)[0])
-        old = None if single_update and not use_is else self.micro.fixed_logprobs(
-            policy, batch.ids, batch.attention, temperature, first_row=own_rows)
-        fixed = Fixed(A, old_logprobs=old, first_minibatch_own=own_rows > 0)
+        # log-probs are the same numbers, detached (ratio = 1). So pi_old's forward runs over
+        # the other minibatches only; the first minibatch's rows, and their importance weights,
+        # are filled in from its own forward (`_micro_loss`), for the metrics and later passes.
+        # With one update per batch and no importance weights nothing of pi_old is kept at all.
+        if algo.num_iterations == 1 and self.minibatches == 1 and not use_is:
+            return self._with_reference(Fixed(A), reference, batch, temperature)
+        own_rows = len(self.minibatch_rows(len(batch), batch.ids.device)[0])
+        old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, temperature, first_row=own_rows)
+        fixed = Fixed(A, old_logprobs=old, first_minibatch_own=True)
         if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
-            fixed.is_weights, fixed.metrics = grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask,
-                                                                        algo.is_cap)
+            fixed.is_weights = grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask, algo.is_cap)[0]
+        return self._with_reference(fixed, reference, batch, temperature)
+
+    def _with_reference(self, fixed: Fixed, reference, batch: Rollouts, temperature: float) -> Fixed:
         if reference is not None:
             fixed.ref_logprobs = self.micro.fixed_logprobs(reference, batch.ids, batch.attention, temperature)
         return fixed
@@ -93,6 +97,9 @@ class GroupUpdate:
                 metrics.update(self.after_policy_step(mb, batch, fixed))
                 metrics["grad_norm"] = float(policy.get_global_grad_norm() or 0.0)
                 step_metrics.append(metrics)
+        if fixed.first_minibatch_own and fixed.is_weights is not None:  # now that every row's pi_old is known
+            fixed.metrics = grpo.truncated_is_weights(fixed.old_logprobs, batch.sampler_logprobs, batch.mask,
+                                                      self.algo.is_cap)[1]
         out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         out["advantage_abs_mean"] = float(fixed.advantages.abs().mean())
         return {**out, **fixed.metrics}
@@ -140,6 +147,11 @@ class GroupUpdate:
         logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
                                            with_entropy=True)
         mask = batch.mask[micro, :T - 1]
+        if own_old and fixed.old_logprobs is not None:  # this minibatch's pi_old, for metrics and later passes
+            fixed.old_logprobs[micro, :T - 1] = logprobs.detach()
+            if fixed.is_weights is not None:
+                fixed.is_weights[micro, :T - 1] = grpo.truncated_is_weights(
+                    logprobs.detach(), batch.sampler_logprobs[micro, :T - 1], mask, algo.is_cap)[0]
         loss, metrics = grpo.policy_loss(
             logprobs,
             logprobs.detach() if own_old else fixed.old_logprobs[micro, :T - 1],

@@ -40,11 +40,12 @@ DAPO = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overl
 
 
 def _one_step(cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0, optimizer: str = "sgd",
-              **algo):
+              minibatches: int = 1, lr: float = 0.0, **algo):
     """One real GRPO step; returns the update per unit of lr (for SGD: the clipped gradient),
     the metrics, and the weights before the step."""
-    lr = SGD_LR if optimizer == "sgd" else ADAM_LR
-    learner_cfg = replace(cfg.learner, num_ranks=num_ranks, zero_stage=zero_stage, minibatches=1, num_cpus_per_rank=0.1,
+    lr = lr or (SGD_LR if optimizer == "sgd" else ADAM_LR)
+    learner_cfg = replace(cfg.learner, num_ranks=num_ranks, zero_stage=zero_stage, minibatches=minibatches,
+                          num_cpus_per_rank=0.1,
                           max_tokens_per_microbatch=micro_tokens, optimizer=optimizer)
     max_length = algo.pop("max_length", cfg.rollout.max_new_tokens)
     learner = LearnerGroup(cfg.model.path, learner_cfg, replace(cfg.algo, **algo), max_length, cfg.trainer.seed)
@@ -97,13 +98,40 @@ class PlainGRPO:
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         self.A = grpo.compute_advantages(rewards, G, scale="group", eps=1e-4)
 
-    def loss(self, rows, num_tokens=None):
-        rows = torch.tensor(rows)
+    def logprobs(self, rows) -> torch.Tensor:
+        rows = torch.as_tensor(rows)
         logits = self.model(input_ids=self.ids[rows], attention_mask=self.attention[rows]).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, self.ids[rows, 1:, None]).squeeze(-1)
+        return torch.log_softmax(logits.float(), -1).gather(-1, self.ids[rows, 1:, None]).squeeze(-1)
+
+    def loss(self, rows, num_tokens=None, is_weights=None):
+        rows = torch.as_tensor(rows)
+        logprobs = self.logprobs(rows)
         loss, _ = grpo.policy_loss(logprobs, logprobs.detach(), logprobs.detach(), self.A[rows], self.mask[rows],
-                                   num_tokens=num_tokens, **self.algo)
+                                   num_tokens=num_tokens, is_weights=None if is_weights is None else is_weights[rows],
+                                   **self.algo)
         return loss
+
+    def sgd_passes(self, minibatches: int, iterations: int, lr: float, sampler: torch.Tensor, cap: float) -> dict:
+        """The learner's update in plain PyTorch: pi_old = pi_ref = the model before any step,
+        the importance weights from pi_old, then `iterations` passes of clipped SGD steps, one
+        per minibatch in order. Returns the change of the weights per unit of lr."""
+        rows = torch.arange(len(self.ids))
+        with torch.no_grad():
+            old = self.logprobs(rows)
+        weights = grpo.truncated_is_weights(old, sampler, self.mask, cap)[0]
+        before = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+        for _ in range(iterations):
+            for mb in rows.chunk(minibatches):
+                loss, _ = grpo.policy_loss(self.logprobs(mb), old[mb], old[mb], self.A[mb], self.mask[mb],
+                                           is_weights=weights[mb], **self.algo)
+                grads = self.gradient([(1.0, loss)])
+                with torch.no_grad():
+                    for k, p in self.model.named_parameters():
+                        p -= lr * grads[k]
+        out = {k: (before[k] - p.detach()) / lr for k, p in self.model.named_parameters()}
+        if "lm_head.weight" not in out:  # tied: one tensor
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
 
     def gradient(self, losses) -> dict:
         """The gradient of sum(weight * loss) over (weight, loss) pairs, clipped like the learner's."""
@@ -207,6 +235,57 @@ def test_dapo_token_mean_is_normalised_over_the_whole_batch(ray_session, system_
     assert_same_gradient(micro, one)
     assert one_metrics["overlong_penalty_mean"] == pytest.approx(two_metrics["overlong_penalty_mean"])
     assert one_metrics["overlong_penalty_mean"] < 0  # some completions reach the buffer
+
+
+def _sampled_by_another(cfg, batch, seed: int = 3):
+    """The batch as if a sampler with other numbers than the learner's drew it: each completion
+    token's sampler log-prob is the model's own plus noise (some weights capped, some below 1)."""
+    plain = _plain(cfg, batch)
+    with torch.no_grad():
+        own = plain.logprobs(range(len(plain.ids)))
+    sampler = torch.where(plain.mask, own + 0.5 * torch.randn(own.shape, generator=torch.Generator().manual_seed(seed)),
+                          torch.zeros_like(own))
+    groups, row = [], 0
+    for g in batch:
+        start = len(g.prompt_ids) - 1
+        lps = [sampler[row + j, start:start + len(c)].tolist() for j, c in enumerate(g.completion_ids)]
+        groups.append(replace(g, sampler_logprobs=lps))
+        row += len(g.completion_ids)
+    return groups, sampler
+
+
+def test_importance_weights_of_the_first_minibatch_come_from_its_own_forward(ray_session, system_cfg, batch):
+    """pi_old is not computed for the rows trained before any optimizer step: their own
+    log-probs, detached, are pi_old, and their truncated importance weights come from them."""
+    groups, sampler = _sampled_by_another(system_cfg, batch)
+    plain = _plain(system_cfg, batch)
+    rows = range(len(plain.ids))
+    with torch.no_grad():
+        own = plain.logprobs(rows)
+    weights, whole = grpo.truncated_is_weights(own, sampler, plain.mask, 2.0)
+    assert 0 < whole["is_capped_fraction"] < 0.5 and whole["sampler_logprob_gap"] > 0.1
+    half = len(own) // 2  # each of 2 ranks reports its own share's means; the step averages them
+    shares = [grpo.truncated_is_weights(own[s], sampler[s], plain.mask[s], 2.0)[1]
+              for s in (slice(0, half), slice(half, None))]
+    by_ranks = {1: whole, 2: {k: sum(m[k] for m in shares) / 2 for k in whole}}
+    gradient = plain.gradient([(1.0, plain.loss(rows, is_weights=weights))])
+    without = plain.gradient([(1.0, plain.loss(rows))])
+    assert mismatch(without, gradient) > 10 * GRAD_RTOL, "the weights should change this gradient"
+    for ranks, stage, micro in [(1, 2, 0), (2, 3, 30)]:
+        update, metrics, _ = _one_step(system_cfg, groups, ranks, stage, micro, is_cap=2.0)
+        assert_same_gradient(update, gradient)
+        for key, value in by_ranks[ranks].items():
+            assert metrics[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_later_minibatches_and_passes_use_pi_old_from_before_the_first_step(ray_session, system_cfg, batch):
+    """Two minibatches, two passes: the first minibatch's pi_old, taken from its own forward,
+    is what the second pass uses too, as pi_old computed before any step would be."""
+    groups, sampler = _sampled_by_another(system_cfg, batch)
+    lr = 0.05
+    update, _, _ = _one_step(system_cfg, groups, 1, 2, minibatches=2, lr=lr, is_cap=2.0, num_iterations=2)
+    expected = _plain(system_cfg, batch).sgd_passes(2, 2, lr, sampler, 2.0)
+    assert_same_gradient(update, expected)
 
 
 def test_known_wrong_implementations_fail(ray_session, system_cfg, batch, reference):
