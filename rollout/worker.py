@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.config import RolloutConfig
 from common.prompt_group import PromptGroup
+from rollout import texts
 from rollout.engine_log import StderrTail, root_cause
 
 RECEIVER_CLASS = "rollout.weight_receiver.WeightReceiver"
@@ -115,7 +116,7 @@ class GenerationWorker:
         return node_ip()
 
     def sampling_params(self, n: int, greedy: bool, seed: int, temperature: Optional[float] = None,
-                        max_tokens: Optional[int] = None):
+                        max_tokens: Optional[int] = None, detokenize: bool = True):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -134,6 +135,7 @@ class GenerationWorker:
             include_stop_str_in_output=c.include_stop_str,
             seed=seed,
             logprobs=None if greedy else 0,  # 0: just the sampled token's log-prob
+            detokenize=detokenize or bool(stop),  # stop strings are matched on vLLM's text
         )
 
     def generate(self, *prompts: Tuple[int, str, str, dict], n: int, greedy: bool,
@@ -144,17 +146,21 @@ class GenerationWorker:
         version = self.policy_version  # weights change only between calls, never during one
         if self.tools is not None:
             return self._episodes(prompts, n, greedy, seeds, temperature, version)
-        params = [self.sampling_params(n, greedy, seed, temperature) for seed in seeds]
+        # The text is decoded here, once per completion, when vLLM does not need it (rollout/texts.py).
+        rust = texts.fast_tokenizer(self.llm.get_tokenizer())
+        params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
         groups: List[PromptGroup] = []
-        for (index, prompt, answer, fields), out in zip(prompts, outputs):
+        for (index, prompt, answer, fields), out, sp in zip(prompts, outputs, params):
             groups.append(PromptGroup(
                 index=index,
                 prompt=prompt,
                 answer=answer,
                 fields=fields,
                 prompt_ids=list(out.prompt_token_ids),
-                completions=[c.text for c in out.outputs],
+                completions=[c.text if sp.detokenize else texts.completion_text(
+                    rust, out.prompt_token_ids, c.token_ids, c.finish_reason == "stop", sp.include_stop_str_in_output,
+                    sp.skip_special_tokens) for c in out.outputs],
                 completion_ids=[list(c.token_ids) for c in out.outputs],
                 finish_reasons=[c.finish_reason or "length" for c in out.outputs],
                 policy_version=version,

@@ -67,6 +67,31 @@ def test_generation_workers_return_refs_not_payloads(roles, system_cfg):
     assert [g.prompt for g in groups] == [p.prompt for p in train_set[:3]]
 
 
+def test_completion_texts_are_the_texts_vllm_detokenizes(roles, system_cfg):
+    """Training samples skip vLLM's detokenizer (rollout/texts.py); their text must still be
+    vLLM's own, also for hot samples full of broken UTF-8, where a plain decode differs."""
+    # Defined in the test: Ray pickles it by value (the actor cannot import this module).
+    def both_texts(worker, prompts, n: int, seeds, temperature: float):
+        """Runs in the generation actor: its training samples (vLLM's detokenizer off, the text
+        decoded after) and the same samples with vLLM's own text."""
+        ours = worker.generate(*prompts, n=n, greedy=False, seeds=seeds, temperature=temperature)[:-1]
+        params = [worker.sampling_params(n, False, seed, temperature) for seed in seeds]
+        assert all(p.detokenize for p in params)
+        vllm = worker.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
+        tokenizer = worker.llm.get_tokenizer()
+        return ([ids for g in ours for ids in g.completion_ids], [t for g in ours for t in g.completions],
+                [list(c.token_ids) for o in vllm for c in o.outputs], [c.text for o in vllm for c in o.outputs],
+                [tokenizer.decode(c.token_ids, skip_special_tokens=True) for o in vllm for c in o.outputs])
+
+    prompts = [(i, p.prompt, p.solution, {}) for i, p in enumerate(load_problems(system_cfg.data, 0).train[:8])]
+    worker = roles.rollout.workers[0]
+    our_ids, ours, vllm_ids, vllm, plain = ray.get(worker.__ray_call__.remote(
+        both_texts, prompts, 8, list(range(len(prompts))), 2.0))
+    assert our_ids == vllm_ids  # the same samples: same seeds
+    assert ours == vllm
+    assert sum(a != b for a, b in zip(vllm, plain)) > 5, "the hot samples should hold cut UTF-8 characters"
+
+
 def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
     """Did accuracy on n problems rise by more than z standard errors of the difference of two
     proportions? A machine-independent learning check: where the warm-up lands differs
