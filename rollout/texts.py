@@ -3,7 +3,8 @@ would have built while generating.
 
 Asked for the sampled tokens' log-probs (the importance weights need them), vLLM decodes every
 sampled token once more for its log-prob entry: on CPUs about a fifth of an engine's generation
-time for the built-in task (0.88 s against 0.69 s for 256 completions, one thread). So training
+time for the built-in task (256 completions, one thread: 1.22 s with vLLM's texts, 0.97 s
+decoded here; bench/results/cpu_work_20261201.md). So training
 samples are generated without vLLM's detokenization (when no stop string needs it) and decoded
 here once, the way vLLM would: one `DecodeStream` primed with the prompt, stepped token by token
 (so text held back for an incomplete UTF-8 character at the end is dropped, not replaced), the
@@ -27,6 +28,8 @@ def fast_tokenizer(tokenizer) -> Optional[object]:
 
 def completion_text(rust_tokenizer, prompt_ids: Sequence[int], token_ids: Sequence[int], stopped_by_token: bool,
                     include_stop: bool = False, skip_special_tokens: bool = True) -> str:
+    """The completion's text; `stopped_by_token`: its last id is the stop token (EOS or a stop
+    token id), which vLLM leaves out of the text unless `include_stop`."""
     from tokenizers.decoders import DecodeStream
 
     ids = list(token_ids[:-1]) if stopped_by_token and not include_stop and token_ids else list(token_ids)
