@@ -86,19 +86,31 @@ def truncated_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: T
     """Per-token min(pi_old / pi_sampler, cap) (truncated importance sampling, as in veRL's TIS
     and IMPALA's truncated rho): corrects the surrogate for samples drawn by a sampler whose
     weights lag the learner's (async mode) or whose numbers differ (vLLM vs training kernels),
-    with the variance bounded by `cap`. Positions outside `mask` get 1."""
+    with the variance bounded by `cap`. Positions outside `mask` get 1. With the metrics of
+    `is_metrics`."""
+    return is_weights(old_logprobs, sampler_logprobs, mask, cap), is_metrics(old_logprobs, sampler_logprobs, mask,
+                                                                             cap)
+
+
+def is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """The weights of `truncated_is_weights` alone: no metric, so no read back to the host."""
     mask = mask.bool()
-    log_w = torch.where(mask, old_logprobs - sampler_logprobs, torch.zeros_like(old_logprobs))
-    w = torch.exp(log_w)
-    capped = w > cap
-    w = torch.where(mask, w.clamp(max=cap), torch.ones_like(w))
+    w = torch.exp(torch.where(mask, old_logprobs - sampler_logprobs, torch.zeros_like(old_logprobs)))
+    return torch.where(mask, w.clamp(max=cap), torch.ones_like(w)).detach()
+
+
+def is_metrics(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float) -> Dict[str, float]:
+    """Over the masked tokens: the mean truncated weight, the fraction capped, and the mean
+    |log pi_old - log pi_sampler|."""
+    mask = mask.bool()
     with torch.no_grad():
-        metrics = {
-            "is_weight_mean": masked_mean(w, mask).item(),
-            "is_capped_fraction": masked_mean(capped.to(w.dtype), mask).item(),
+        log_w = torch.where(mask, old_logprobs - sampler_logprobs, torch.zeros_like(old_logprobs))
+        w = torch.exp(log_w)
+        return {
+            "is_weight_mean": masked_mean(torch.where(mask, w.clamp(max=cap), torch.ones_like(w)), mask).item(),
+            "is_capped_fraction": masked_mean((w > cap).to(w.dtype), mask).item(),
             "sampler_logprob_gap": masked_mean(log_w.abs(), mask).item(),
         }
-    return w.detach(), metrics
 
 
 def _check_loss_args(logprobs, ref_logprobs, advantages, mask, beta, kl_estimator, loss_agg, max_length,

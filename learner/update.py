@@ -72,7 +72,9 @@ class GroupUpdate:
         old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, temperature, first_row=own_rows)
         fixed = Fixed(A, old_logprobs=old, first_minibatch_own=True)
         if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
-            fixed.is_weights = grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask, algo.is_cap)[0]
+            fixed.is_weights = torch.ones_like(old)  # the first minibatch's rows: from its forward
+            fixed.is_weights[own_rows:] = grpo.is_weights(old[own_rows:], batch.sampler_logprobs[own_rows:],
+                                                          batch.mask[own_rows:], algo.is_cap)
         return self._with_reference(fixed, reference, batch, temperature)
 
     def _with_reference(self, fixed: Fixed, reference, batch: Rollouts, temperature: float) -> Fixed:
@@ -98,8 +100,7 @@ class GroupUpdate:
                 metrics["grad_norm"] = float(policy.get_global_grad_norm() or 0.0)
                 step_metrics.append(metrics)
         if fixed.first_minibatch_own and fixed.is_weights is not None:  # now that every row's pi_old is known
-            fixed.metrics = grpo.truncated_is_weights(fixed.old_logprobs, batch.sampler_logprobs, batch.mask,
-                                                      self.algo.is_cap)[1]
+            fixed.metrics = grpo.is_metrics(fixed.old_logprobs, batch.sampler_logprobs, batch.mask, self.algo.is_cap)
         out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         out["advantage_abs_mean"] = float(fixed.advantages.abs().mean())
         return {**out, **fixed.metrics}
@@ -150,8 +151,8 @@ class GroupUpdate:
         if own_old and fixed.old_logprobs is not None:  # this minibatch's pi_old, for metrics and later passes
             fixed.old_logprobs[micro, :T - 1] = logprobs.detach()
             if fixed.is_weights is not None:
-                fixed.is_weights[micro, :T - 1] = grpo.truncated_is_weights(
-                    logprobs.detach(), batch.sampler_logprobs[micro, :T - 1], mask, algo.is_cap)[0]
+                sampled = batch.sampler_logprobs[micro, :T - 1]
+                fixed.is_weights[micro, :T - 1] = grpo.is_weights(logprobs.detach(), sampled, mask, algo.is_cap)
         loss, metrics = grpo.policy_loss(
             logprobs,
             logprobs.detach() if own_old else fixed.old_logprobs[micro, :T - 1],

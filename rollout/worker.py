@@ -54,6 +54,8 @@ class GenerationWorker:
             cause = root_cause(self._stderr.text()) or f"{type(error).__name__}: {error}"
             raise EngineStartError(f"the vLLM engine did not start: {cause.splitlines()[0][:500]}") from None
         self.policy_version = 0
+        # Training samples' texts are decoded here, once, when vLLM need not (rollout/texts.py).
+        self._rust_tokenizer = texts.fast_tokenizer(self.llm.get_tokenizer())
         self.tools = self.format = None
         if rollout_cfg.episodes:
             self._start_tools()
@@ -146,8 +148,7 @@ class GenerationWorker:
         version = self.policy_version  # weights change only between calls, never during one
         if self.tools is not None:
             return self._episodes(prompts, n, greedy, seeds, temperature, version)
-        # The text is decoded here, once per completion, when vLLM does not need it (rollout/texts.py).
-        rust = texts.fast_tokenizer(self.llm.get_tokenizer())
+        rust = self._rust_tokenizer
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
         groups: List[PromptGroup] = []
