@@ -377,9 +377,11 @@ class LearnerConfig(Section):
     """Weight decay (decoupled for AdamW)."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
-    max_tokens_per_microbatch: int = 0
-    """Cut each minibatch into micro-batches of at most this many (padded) tokens and accumulate
-    their gradients before the optimizer step; 0: one micro-batch (no accumulation)."""
+    max_tokens_per_microbatch: int = 4096
+    """Cut each minibatch into micro-batches of at most this many (padded) tokens, rows sorted
+    by length so that each is padded only to its own longest row, and accumulate their
+    gradients before the optimizer step; 0: the whole minibatch in one, padded to the batch's
+    longest row. Bounds the learner's activation memory; raise it on large GPUs."""
     minibatches: int = 2
     """Optimizer steps per pass over a batch of rollouts; the later ones are off-policy, which
     is what the PPO clip is for."""
@@ -592,9 +594,6 @@ class Config:
         for f in fields(self):
             getattr(self, f.name).check(f.name)
         algo, rollout, learner, trainer = self.algo, self.rollout, self.learner, self.trainer
-        if algo.adv_estimator == "gae" and learner.max_tokens_per_microbatch:
-            raise ConfigError("learner.max_tokens_per_microbatch is not supported with algo.adv_estimator=gae "
-                              "yet: set it to 0")
         if algo.overlong_buffer > rollout.max_new_tokens:
             raise ConfigError(f"algo.overlong_buffer={algo.overlong_buffer} exceeds "
                               f"rollout.max_new_tokens={rollout.max_new_tokens}")

@@ -92,15 +92,20 @@ class MicroBatcher:
         self.budget, self.device = budget, device
 
     def split(self, rows: torch.Tensor, attention: torch.Tensor) -> List[torch.Tensor]:
-        """Rows in order, cut so that rows x longest row <= the budget. Every rank ends with the
-        same number of micro-batches (the most any rank needs), because under ZeRO-3 each
-        forward and backward is a collective."""
+        """Rows sorted by length, cut so that rows x longest row <= the budget: each micro-batch
+        is trimmed to its own longest row, so rows of like length share one and little of the
+        compute goes to padding. Every rank ends with the same number of micro-batches (the
+        most any rank needs), because under ZeRO-3 each forward and backward is a collective.
+        The order of rows within a minibatch changes no loss: each micro-batch's share of it is
+        weighted by what it holds."""
         if self.budget <= 0:
             return [rows]
+        lengths = attention[rows].sum(dim=1).tolist()
+        by_length = sorted(zip(lengths, rows.tolist()))  # ties by row index: the same cut on every run
         micros: List[List[int]] = []
         current: List[int] = []
         longest = 0
-        for row, length in zip(rows.tolist(), attention[rows].sum(dim=1).tolist()):
+        for length, row in by_length:
             if current and (len(current) + 1) * max(longest, length) > self.budget:
                 micros.append(current)
                 current, longest = [], 0
@@ -119,10 +124,16 @@ class MicroBatcher:
         """Log-probs [N, T-1] of a model that does not change during the step (pi_old, pi_ref),
         in the same micro-batches as the update, so a forward's memory is bounded by the
         token budget, not the batch. Rows before `first_row` are left at 0 (not needed)."""
+        return self.per_token(lambda i, a: token_logprobs(model, i, a, temperature), ids, attention, first_row)
+
+    @torch.no_grad()
+    def per_token(self, forward, ids, attention, first_row: int = 0) -> torch.Tensor:
+        """`forward(ids, attention)` -> [n, T-1] float32, run micro-batch by micro-batch (each
+        trimmed to its longest row) and laid out as [N, T-1]; rows before `first_row` stay 0."""
         out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
         if first_row >= ids.shape[0]:
             return out
         for micro in self.split(torch.arange(first_row, ids.shape[0], device=ids.device), attention):
             T = int(attention[micro].sum(dim=1).max())
-            out[micro, :T - 1] = token_logprobs(model, ids[micro, :T], attention[micro, :T], temperature)
+            out[micro, :T - 1] = forward(ids[micro, :T], attention[micro, :T])
         return out

@@ -200,7 +200,7 @@ class CriticUpdate(GroupUpdate):
         ref = (self.micro.fixed_logprobs(reference, batch.ids, batch.attention, temperature)
                if reference is not None else None)
         # Token-level advantages from the critic (GAE); the KL is in the reward, not the loss.
-        old_values = self.values(batch.ids, batch.attention)
+        old_values = self.micro.per_token(self.values, batch.ids, batch.attention)
         kl = old - ref if ref is not None else torch.zeros_like(old)
         token_r = ppo.token_rewards(batch.rewards, kl, batch.mask, algo.beta)
         A, returns = ppo.gae(token_r, old_values, batch.mask, algo.gamma, algo.lam)
@@ -208,11 +208,25 @@ class CriticUpdate(GroupUpdate):
                      token_level=True, extra={"old_values": old_values, "returns": returns, "kl": kl})
 
     def after_policy_step(self, mb, batch: Rollouts, fixed: Fixed) -> Dict[str, float]:
-        """The value model's step on the same minibatch."""
-        values = self.values(batch.ids[mb], batch.attention[mb], grad=True)
-        loss, metrics = ppo.value_loss(values, fixed.extra["old_values"][mb], fixed.extra["returns"][mb],
-                                       batch.mask[mb], self.algo.value_clip)
-        self.critic.backward(loss)
+        """The value model's step on the same minibatch, in the policy's micro-batches: the
+        loss is a token mean over the minibatch, so each micro-batch's mean is weighted by its
+        share of the minibatch's tokens (and so are the metrics, which are means too)."""
+        micros = self.micro.split(mb, batch.attention)
+        tokens = float(batch.mask[mb].sum().clamp(min=1))
+        metrics: Dict[str, float] = {}
+        for j, micro in enumerate(micros):
+            T = batch.ids.shape[1]
+            if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
+                self.critic.set_gradient_accumulation_boundary(j == len(micros) - 1)
+                T = int(batch.attention[micro].sum(dim=1).max())
+            mask = batch.mask[micro, :T - 1]
+            share = float(mask.sum()) / tokens
+            values = self.values(batch.ids[micro, :T], batch.attention[micro, :T], grad=True)
+            loss, micro_metrics = ppo.value_loss(values, fixed.extra["old_values"][micro, :T - 1],
+                                                 fixed.extra["returns"][micro, :T - 1], mask, self.algo.value_clip)
+            self.critic.backward(loss * share if share != 1.0 else loss)
+            for key, value in micro_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + share * value
         self.critic.step()
         metrics["kl"] = float(grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]))
         return metrics

@@ -1,33 +1,48 @@
-"""The PPO baseline on the real learner: a critic with its own DeepSpeed engine learns the returns."""
+"""The PPO baseline on the real learner: a critic with its own DeepSpeed engine learns the returns,
+in micro-batches as the policy does."""
 from __future__ import annotations
 
+import json
 import math
-
 from dataclasses import replace
+from pathlib import Path
 
+import pytest
 import ray
 import torch
 
 from learner.group import LearnerGroup
 from helpers import varied_groups
 
+MICRO_TOKENS = 30  # several micro-batches of the 16 rows below (2-9 completion tokens each)
 
-def test_ppo_step_trains_policy_and_critic(ray_session, system_cfg):
-    import json
-    from pathlib import Path
 
-    vocab = json.loads((Path(system_cfg.model.path) / "config.json").read_text())["vocab_size"]
+def _ppo_steps(cfg, steps: int, micro_tokens: int):
+    """Metrics of `steps` PPO steps on one fixed batch, and the policy before and after them."""
+    vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
     groups = [ray.put(g) for g in varied_groups(vocab, 4)]
-    learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1)
-    algo = replace(system_cfg.algo, adv_estimator="gae", critic_lr=3e-3)
-    learner = LearnerGroup(system_cfg.model.path, learner_cfg, algo, 32, system_cfg.trainer.seed)
+    learner_cfg = replace(cfg.learner, num_ranks=2, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1,
+                          max_tokens_per_microbatch=micro_tokens)
+    algo = replace(cfg.algo, adv_estimator="gae", critic_lr=3e-3)
+    learner = LearnerGroup(cfg.model.path, learner_cfg, algo, 32, cfg.trainer.seed)
     try:
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]
-        history = [learner.train_step(groups, 1.0, 1e-3) for _ in range(6)]
+        history = [learner.train_step(groups, 1.0, 1e-3) for _ in range(steps)]
         after = learner.call("state_copy")[0]
     finally:
         learner.shutdown()
+    return history, before, after
+
+
+@pytest.fixture(scope="module")
+def micro_batched(ray_session, system_cfg):
+    return _ppo_steps(system_cfg, 6, MICRO_TOKENS)
+
+
+def test_ppo_step_trains_policy_and_critic(micro_batched):
+    history, before, after = micro_batched
+    assert all(m["micro_batches"] > 1 for m in history)
     for metrics in history:
         for key in ("value_loss", "value_clip_fraction", "value_mean", "kl", "loss", "learner_peak_memory_mb"):
             assert key in metrics and math.isfinite(metrics[key]), key  # present, a finite number
@@ -38,3 +53,15 @@ def test_ppo_step_trains_policy_and_critic(ray_session, system_cfg):
     # random token ids, which the policy did not sample, its sign can be either
     # pi_ref is a copy of the first policy: the same forward in another allocation, equal to rounding
     assert abs(history[0]["kl"]) <= 1e-6 and abs(history[-1]["kl"]) > 1e-4
+
+
+def test_micro_batches_give_the_critic_the_loss_and_step_of_one_batch(micro_batched, system_cfg):
+    """The value loss is a token mean over the minibatch: in micro-batches, each weighted by its
+    tokens, it is the same number, and so is the critic's step it drives (seen in the next
+    step's value loss)."""
+    whole, _, _ = _ppo_steps(system_cfg, 2, 0)
+    micro = micro_batched[0]
+    assert whole[0]["micro_batches"] == 1
+    for key in ("value_loss", "value_clip_fraction", "value_mean", "loss"):
+        assert micro[0][key] == pytest.approx(whole[0][key], rel=1e-5, abs=1e-7), key
+    assert micro[1]["value_loss"] == pytest.approx(whole[1]["value_loss"], rel=1e-4), "the critic's first steps differ"

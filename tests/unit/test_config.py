@@ -205,11 +205,6 @@ def test_any_deepspeed_setting_passes_through_merged_over_the_generated_one():
     assert generated["zero_optimization"] == {"stage": 2}  # the generated config is not mutated
 
 
-def test_ppo_with_micro_batching_is_refused_in_one_line():
-    message = config_error("algo.adv_estimator=gae", "learner.max_tokens_per_microbatch=512")
-    assert "learner.max_tokens_per_microbatch" in message and "gae" in message
-
-
 def test_device_dependent_defaults_resolve_for_cpu_and_gpu():
     cpu = load_config([])
     assert (cpu.rollout.dtype, cpu.rollout.enforce_eager) == ("float32", True)

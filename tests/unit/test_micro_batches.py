@@ -1,0 +1,40 @@
+"""How a minibatch is cut into micro-batches: rows sorted by length, each micro-batch within the
+token budget once padded to its own longest row (one process, a world of one)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from learner.batching import MicroBatcher
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _attention(lengths):
+    attention = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        attention[row, :length] = 1
+    return attention
+
+
+def test_rows_of_like_length_share_a_micro_batch(world_of_one):
+    lengths = [9, 3, 7, 3, 8, 2, 9, 4]
+    micros = [m.tolist() for m in MicroBatcher(16, "cpu").split(torch.arange(8), _attention(lengths))]
+    assert micros == [[5, 1, 3, 7], [2, 4], [0], [6]]
+    padded = [len(m) * max(lengths[r] for r in m) for m in micros]
+    assert all(p <= 16 for p in padded) and sum(padded) == 50  # rows in order: 6 micro-batches, 54 tokens
+    assert sorted(r for m in micros for r in m) == list(range(8))
+
+
+def test_a_subset_of_rows_keeps_its_own_indices_and_no_budget_keeps_one(world_of_one):
+    lengths = [9, 3, 7, 3, 8, 2, 9, 4]
+    rows = torch.tensor([6, 5, 2])
+    assert [m.tolist() for m in MicroBatcher(14, "cpu").split(rows, _attention(lengths))] == [[5, 2], [6]]
+    assert [m.tolist() for m in MicroBatcher(0, "cpu").split(rows, _attention(lengths))] == [[6, 5, 2]]
