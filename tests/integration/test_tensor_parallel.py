@@ -50,8 +50,10 @@ def test_a_tp2_engine_syncs_exactly(ray_session, system_cfg, tmp_path):
 def test_an_engine_that_cannot_start_names_its_root_cause(tmp_path, model_cache):
     # A KV cache too small for one block: vLLM's engine core fails in its child process, where
     # the driver would otherwise see only "Engine core initialization failed. See root cause above".
+    # One learner rank and one verifier: the other roles only compete with the engine's start here.
     result = run(GRPO, "train", *small_overrides(model_cache, str(tmp_path)), "rollout.kv_cache_gib=0.00001",
-                 "rollout.num_workers=1", "trainer.max_steps=1", timeout=600)
+                 "rollout.num_workers=1", "learner.num_ranks=1", "reward.num_workers=1", "trainer.max_steps=1",
+                 timeout=600)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr[-3000:]
