@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -55,13 +56,34 @@ def submit(address: Optional[str], overrides: List[str], follow: bool = True,
 
     load_config(overrides)  # raises ConfigError (exit 2) before anything reaches the cluster
     jobs = client(address)
-    job_id = jobs.submit_job(entrypoint=entrypoint(overrides), runtime_env=runtime_env(),
-                             submission_id=submission_id, metadata={"tool": "grpo"})
+    job_id = submit_when_ready(jobs, dict(entrypoint=entrypoint(overrides), runtime_env=runtime_env(),
+                                          submission_id=submission_id, metadata={"tool": "grpo"}))
     print(f"submitted job {job_id} to {address or default_address()}", flush=True)
     print(f"  follow: grpo jobs logs {job_id} --follow    stop: grpo jobs stop {job_id}", flush=True)
     if not follow:
         return 0
     return follow_logs(jobs, job_id)
+
+
+AGENT_NOT_READY = "No available agent to submit job"
+"""What a head answers (HTTP 500) while its job agent is still starting: just after `ray start`."""
+
+
+def submit_when_ready(jobs, request: dict, timeout_s: float = 120.0, poll_s: float = 2.0) -> str:
+    """`jobs.submit_job(**request)`, tried again while the head says its job agent is not up
+    yet (nothing was submitted then), up to `timeout_s`; any other error is raised at once."""
+    deadline = time.monotonic() + timeout_s
+    waiting = False
+    while True:
+        try:
+            return jobs.submit_job(**request)
+        except RuntimeError as error:
+            if AGENT_NOT_READY not in str(error) or time.monotonic() >= deadline:
+                raise
+            if not waiting:
+                print("the head's job agent is still starting; waiting for it", file=sys.stderr, flush=True)
+                waiting = True
+            time.sleep(poll_s)
 
 
 def follow_logs(jobs, job_id: str) -> int:
