@@ -119,11 +119,7 @@ class GroupUpdate:
             num_tokens = global_sum(batch.mask[mb].sum()) / self.world_size
         weights = self._micro_weights(micros, batch.mask, exact=num_tokens is not None)
         metrics: Dict[str, float] = {}
-        for j, micro in enumerate(micros):
-            T = batch.ids.shape[1]
-            if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
-                policy.set_gradient_accumulation_boundary(j == len(micros) - 1)
-                T = int(batch.attention[micro].sum(dim=1).max())  # trim the padding it does not need
+        for j, (micro, T) in enumerate(accumulating(policy, micros, batch)):
             loss, micro_metrics = self._micro_loss(policy, micro, T, batch, fixed, temperature, num_tokens, own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
             _accumulate(metrics, micro_metrics, weights[j], len(micros))
@@ -166,6 +162,18 @@ class GroupUpdate:
         )
         metrics["entropy"] = float(grpo.masked_mean(entropy, mask))
         return loss, metrics
+
+
+def accumulating(engine, micros: list, batch: Rollouts):
+    """(micro-batch, its length T) for each micro-batch of one optimizer step of `engine`; with
+    several, their gradients accumulate (reduced and stepped after the last) and each is
+    trimmed to the padding it needs."""
+    for j, micro in enumerate(micros):
+        T = batch.ids.shape[1]
+        if len(micros) > 1:
+            engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
+            T = int(batch.attention[micro].sum(dim=1).max())
+        yield micro, T
 
 
 def _accumulate(total: Dict[str, float], metrics: Dict[str, float], weight: float, num_micros: int) -> None:
@@ -214,11 +222,7 @@ class CriticUpdate(GroupUpdate):
         micros = self.micro.split(mb, batch.attention)
         tokens = float(batch.mask[mb].sum().clamp(min=1))
         metrics: Dict[str, float] = {}
-        for j, micro in enumerate(micros):
-            T = batch.ids.shape[1]
-            if len(micros) > 1:  # accumulate; reduce and step after the last micro-batch
-                self.critic.set_gradient_accumulation_boundary(j == len(micros) - 1)
-                T = int(batch.attention[micro].sum(dim=1).max())
+        for micro, T in accumulating(self.critic, micros, batch):
             mask = batch.mask[micro, :T - 1]
             share = float(mask.sum()) / tokens
             values = self.values(batch.ids[micro, :T], batch.attention[micro, :T], grad=True)
