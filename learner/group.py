@@ -27,10 +27,11 @@ def _rendezvous_address():
 
 class LearnerGroup:
     def __init__(self, model_path: str, cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int,
-                 placement=None):
+                 placement=None, rank_class: type = LearnerRank):
         """`cfg.num_ranks` ranks; `placement(i)`: Ray actor options for rank i (its placement
-        group bundle); `max_new_tokens`: the rollout's longest completion."""
-        actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(LearnerRank)
+        group bundle); `max_new_tokens`: the rollout's longest completion; `rank_class`: the
+        ranks' actor class, a LearnerRank (tests use one that can start over in its process)."""
+        actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(rank_class)
         world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
         # torch.distributed's rendezvous is hosted by rank 0: ask its bundle's node for the

@@ -95,3 +95,14 @@ def initial_roles(roles, initial_checkpoint):
     For tests that measure learning: from another starting point the same steps learn less."""
     roles.learner.call("load_checkpoint", initial_checkpoint)
     return roles
+
+
+@pytest.fixture(scope="module")
+def learners(ray_session):
+    """Learner groups rebuilt in place for each configuration (tests/learner_pool.py), one pool
+    per module."""
+    from learner_pool import LearnerPool
+
+    pool = LearnerPool()
+    yield pool
+    pool.shutdown()

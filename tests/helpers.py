@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,20 +57,21 @@ def varied_groups(vocab: int, group_size: int, num_groups: int = 4):
 PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
 
 
-def warmed_learner(cfg, zero_stage: int):
-    """A 2-rank learner whose weights differ from the engines' initial ones (3 warm-up steps).
-    Under ZeRO-3 every parameter is partitioned, as a large model's would be (DeepSpeed keeps
-    parameters under 1e5 elements whole by default: every one of the tiny model's)."""
-    from learner.group import LearnerGroup
+@contextmanager
+def warmed_learner(learners, cfg, zero_stage: int):
+    """A 2-rank learner whose weights differ from the engines' initial ones (3 warm-up steps),
+    from the module's pool `learners` (tests/learner_pool.py). Under ZeRO-3 every parameter
+    is partitioned, as a large model's would be (DeepSpeed keeps parameters under 1e5 elements
+    whole by default: every one of the tiny model's)."""
     from rollout.datasets import load_problems
 
     learner_cfg = replace(cfg.learner, zero_stage=zero_stage, num_ranks=2,
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
-    learner = LearnerGroup(cfg.model.path, learner_cfg, cfg.algo, cfg.rollout.max_new_tokens, 0)
-    train_set = load_problems(cfg.data, 0).train
-    learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
-    learner.warmup(3, 16, 3e-3, 0)
-    return learner
+    with learners.learner(cfg.model.path, learner_cfg, cfg.algo, cfg.rollout.max_new_tokens, 0) as learner:
+        train_set = load_problems(cfg.data, 0).train
+        learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
+        learner.warmup(3, 16, 3e-3, 0)
+        yield learner
 
 
 def greedy_ids(worker, prompts=PROMPTS):

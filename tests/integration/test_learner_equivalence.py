@@ -26,7 +26,6 @@ import torch
 
 from learner import grpo
 from helpers import varied_groups
-from learner.group import LearnerGroup
 
 
 G = 4
@@ -39,23 +38,22 @@ DAPO = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overl
             clip_high=0.28, beta=0.0, max_length=10)  # completions of 2-9 tokens: 7-9 are penalised
 
 
-def _one_step(cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0, optimizer: str = "sgd",
-              minibatches: int = 1, lr: float = 0.0, **algo):
-    """One real GRPO step; returns the update per unit of lr (for SGD: the clipped gradient),
-    the metrics, and the weights before the step."""
+def _one_step(learners, cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0,
+              optimizer: str = "sgd", minibatches: int = 1, lr: float = 0.0, **algo):
+    """One real GRPO step of a learner built for these settings (`learners`: the module's
+    pool); returns the update per unit of lr (for SGD: the clipped gradient), the metrics,
+    and the weights before the step."""
     lr = lr or (SGD_LR if optimizer == "sgd" else ADAM_LR)
     learner_cfg = replace(cfg.learner, num_ranks=num_ranks, zero_stage=zero_stage, minibatches=minibatches,
                           num_cpus_per_rank=0.1,
                           max_tokens_per_microbatch=micro_tokens, optimizer=optimizer)
     max_length = algo.pop("max_length", cfg.rollout.max_new_tokens)
-    learner = LearnerGroup(cfg.model.path, learner_cfg, replace(cfg.algo, **algo), max_length, cfg.trainer.seed)
-    try:
+    algo_cfg = replace(cfg.algo, **algo)
+    with learners.learner(cfg.model.path, learner_cfg, algo_cfg, max_length, cfg.trainer.seed) as learner:
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]  # a collective under ZeRO-3: every rank joins
         metrics = learner.train_step([ray.put(g) for g in groups], 1.0, lr)
         states = learner.call("state_copy")
-    finally:
-        learner.shutdown()
     for other in states[1:]:  # every rank holds the same full model after the step
         assert all(torch.equal(states[0][k], other[k]) for k in states[0])
     update = {k: (before[k] - states[0][k]) / lr for k in before}
@@ -155,8 +153,8 @@ def batch(system_cfg):
 
 
 @pytest.fixture(scope="module")
-def reference(ray_session, system_cfg, batch):
-    return _one_step(system_cfg, batch, 1, 2)
+def reference(learners, system_cfg, batch):
+    return _one_step(learners, system_cfg, batch, 1, 2)
 
 
 def _algo(cfg, **override) -> dict:
@@ -180,10 +178,10 @@ def test_one_rank_step_is_the_plain_grpo_gradient(system_cfg, batch, reference):
     (2, 2, 0), (2, 3, 0), (2, 0, 0), (2, 1, 0),
     (1, 2, 30), (2, 2, 30), (2, 3, 30),  # micro-batches of at most 30 padded tokens, accumulated
 ])
-def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(system_cfg, batch, reference, num_ranks,
-                                                                         zero_stage, micro_tokens):
+def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(learners, system_cfg, batch, reference,
+                                                                         num_ranks, zero_stage, micro_tokens):
     update, metrics, _ = reference
-    other, other_metrics, _ = _one_step(system_cfg, batch, num_ranks, zero_stage, micro_tokens)
+    other, other_metrics, _ = _one_step(learners, system_cfg, batch, num_ranks, zero_stage, micro_tokens)
     assert_same_gradient(other, update)
     assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
     assert other_metrics["micro_batches"] > 1 if micro_tokens else other_metrics["micro_batches"] == 1
@@ -211,10 +209,10 @@ def _adam_tolerance(gradient: dict, weights: dict):
     return bounds
 
 
-def test_same_adamw_step_end_to_end(system_cfg, batch, reference):
+def test_same_adamw_step_end_to_end(learners, system_cfg, batch, reference):
     gradient, _, _ = reference  # the clipped gradient AdamW gets
-    one, _, weights = _one_step(system_cfg, batch, 1, 2, optimizer="adamw")
-    two, _, _ = _one_step(system_cfg, batch, 2, 3, micro_tokens=30, optimizer="adamw")
+    one, _, weights = _one_step(learners, system_cfg, batch, 1, 2, optimizer="adamw")
+    two, _, _ = _one_step(learners, system_cfg, batch, 2, 3, micro_tokens=30, optimizer="adamw")
     bounds = _adam_tolerance(gradient, weights)
     confident = sum(int((b < 1).sum()) for b in bounds.values())
     total = sum(b.numel() for b in bounds.values())
@@ -225,13 +223,13 @@ def test_same_adamw_step_end_to_end(system_cfg, batch, reference):
     assert any(float(u.abs().max()) > 0.5 for u in one.values()), "AdamW's first step moves weights by about lr"
 
 
-def test_dapo_token_mean_is_normalised_over_the_whole_batch(ray_session, system_cfg, batch):
+def test_dapo_token_mean_is_normalised_over_the_whole_batch(learners, system_cfg, batch):
     # The two ranks hold different numbers of tokens: dividing each rank's sum by its own count
     # would weight tokens differently than one rank does; the global count makes them agree.
-    one, one_metrics, _ = _one_step(system_cfg, batch, 1, 2, **DAPO)
-    two, two_metrics, _ = _one_step(system_cfg, batch, 2, 2, **DAPO)
+    one, one_metrics, _ = _one_step(learners, system_cfg, batch, 1, 2, **DAPO)
+    two, two_metrics, _ = _one_step(learners, system_cfg, batch, 2, 2, **DAPO)
     assert_same_gradient(two, one)
-    micro, _, _ = _one_step(system_cfg, batch, 2, 2, micro_tokens=30, **DAPO)
+    micro, _, _ = _one_step(learners, system_cfg, batch, 2, 2, micro_tokens=30, **DAPO)
     assert_same_gradient(micro, one)
     assert one_metrics["overlong_penalty_mean"] == pytest.approx(two_metrics["overlong_penalty_mean"])
     assert one_metrics["overlong_penalty_mean"] < 0  # some completions reach the buffer
@@ -254,7 +252,7 @@ def _sampled_by_another(cfg, batch, seed: int = 3):
     return groups, sampler
 
 
-def test_importance_weights_of_the_first_minibatch_come_from_its_own_forward(ray_session, system_cfg, batch):
+def test_importance_weights_of_the_first_minibatch_come_from_its_own_forward(learners, system_cfg, batch):
     """pi_old is not computed for the rows trained before any optimizer step: their own
     log-probs, detached, are pi_old, and their truncated importance weights come from them."""
     groups, sampler = _sampled_by_another(system_cfg, batch)
@@ -272,30 +270,30 @@ def test_importance_weights_of_the_first_minibatch_come_from_its_own_forward(ray
     without = plain.gradient([(1.0, plain.loss(rows))])
     assert mismatch(without, gradient) > 10 * GRAD_RTOL, "the weights should change this gradient"
     for ranks, stage, micro in [(1, 2, 0), (2, 3, 30)]:
-        update, metrics, _ = _one_step(system_cfg, groups, ranks, stage, micro, is_cap=2.0)
+        update, metrics, _ = _one_step(learners, system_cfg, groups, ranks, stage, micro, is_cap=2.0)
         assert_same_gradient(update, gradient)
         for key, value in by_ranks[ranks].items():
             assert metrics[key] == pytest.approx(value, rel=1e-5), key
 
 
-def test_later_minibatches_and_passes_use_pi_old_from_before_the_first_step(ray_session, system_cfg, batch):
+def test_later_minibatches_and_passes_use_pi_old_from_before_the_first_step(learners, system_cfg, batch):
     """Two minibatches, two passes: the first minibatch's pi_old, taken from its own forward,
     is what the second pass uses too, as pi_old computed before any step would be."""
     groups, sampler = _sampled_by_another(system_cfg, batch)
     lr = 0.05
-    update, _, _ = _one_step(system_cfg, groups, 1, 2, minibatches=2, lr=lr, is_cap=2.0, num_iterations=2)
+    update, _, _ = _one_step(learners, system_cfg, groups, 1, 2, minibatches=2, lr=lr, is_cap=2.0, num_iterations=2)
     expected = _plain(system_cfg, batch).sgd_passes(2, 2, lr, sampler, 2.0)
     assert_same_gradient(update, expected)
 
 
-def test_known_wrong_implementations_fail(ray_session, system_cfg, batch, reference):
+def test_known_wrong_implementations_fail(learners, system_cfg, batch, reference):
     """The comparison above has the power to catch the bugs it is for, on this very batch."""
     rows = list(range(len(batch) * G))
     half = len(rows) // 2  # rank r of 2 holds whole groups: rows [r*half, (r+1)*half)
     shards = [rows[:half], rows[half:]]
 
     # token-mean over 2 ranks: the real learner equals the global-count gradient...
-    token_mean, _, _ = _one_step(system_cfg, batch, 2, 2, loss_agg="token-mean")
+    token_mean, _, _ = _one_step(learners, system_cfg, batch, 2, 2, loss_agg="token-mean")
     plain = _plain(system_cfg, batch, loss_agg="token-mean")
     assert_same_gradient(token_mean, plain.gradient([(1.0, plain.loss(rows))]))
     tokens = float(plain.mask.sum())
@@ -318,13 +316,13 @@ def test_known_wrong_implementations_fail(ray_session, system_cfg, batch, refere
         assert error > 10 * GRAD_RTOL, f"{name}: only {error:.2e} from the right gradient"
 
 
-def test_zero3_reference_is_sharded_and_survives_a_checkpoint(ray_session, system_cfg, tmp_path):
+def test_zero3_reference_is_sharded_and_survives_a_checkpoint(learners, system_cfg, tmp_path):
     """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy; a checkpoint
     saves the full reference and loading it shards it again."""
     learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
-    learner = LearnerGroup(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens, 0)
-    try:
+    with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
+                          0) as learner:
         learner.call("snapshot_reference")
         held = learner.call("reference_numel")
         assert all(h["held"] <= h["full"] / 2 + 1024 for h in held), held  # a half, padded per tensor
@@ -333,6 +331,4 @@ def test_zero3_reference_is_sharded_and_survives_a_checkpoint(ray_session, syste
         assert learner.call("reference_numel") == held
         saved = torch.load(tmp_path / "reference.pt", map_location="cpu")
         assert sum(v.numel() for v in saved.values()) >= held[0]["full"]  # saved whole
-    finally:
-        learner.shutdown()
 

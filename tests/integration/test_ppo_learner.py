@@ -11,33 +11,30 @@ import pytest
 import ray
 import torch
 
-from learner.group import LearnerGroup
 from helpers import varied_groups
 
 MICRO_TOKENS = 30  # several micro-batches of the 16 rows below (2-9 completion tokens each)
 
 
-def _ppo_steps(cfg, steps: int, micro_tokens: int):
-    """Metrics of `steps` PPO steps on one fixed batch, and the policy before and after them."""
+def _ppo_steps(learners, cfg, steps: int, micro_tokens: int):
+    """Metrics of `steps` PPO steps on one fixed batch, and the policy before and after them
+    (`learners`: the module's pool)."""
     vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
     groups = [ray.put(g) for g in varied_groups(vocab, 4)]
     learner_cfg = replace(cfg.learner, num_ranks=2, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1,
                           max_tokens_per_microbatch=micro_tokens)
     algo = replace(cfg.algo, adv_estimator="gae", critic_lr=3e-3)
-    learner = LearnerGroup(cfg.model.path, learner_cfg, algo, 32, cfg.trainer.seed)
-    try:
+    with learners.learner(cfg.model.path, learner_cfg, algo, 32, cfg.trainer.seed) as learner:
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]
         history = [learner.train_step(groups, 1.0, 1e-3) for _ in range(steps)]
         after = learner.call("state_copy")[0]
-    finally:
-        learner.shutdown()
     return history, before, after
 
 
 @pytest.fixture(scope="module")
-def micro_batched(ray_session, system_cfg):
-    return _ppo_steps(system_cfg, 6, MICRO_TOKENS)
+def micro_batched(learners, system_cfg):
+    return _ppo_steps(learners, system_cfg, 6, MICRO_TOKENS)
 
 
 def test_ppo_step_trains_policy_and_critic(micro_batched):
@@ -55,11 +52,11 @@ def test_ppo_step_trains_policy_and_critic(micro_batched):
     assert abs(history[0]["kl"]) <= 1e-6 and abs(history[-1]["kl"]) > 1e-4
 
 
-def test_micro_batches_give_the_critic_the_loss_and_step_of_one_batch(micro_batched, system_cfg):
+def test_micro_batches_give_the_critic_the_loss_and_step_of_one_batch(micro_batched, learners, system_cfg):
     """The value loss is a token mean over the minibatch: in micro-batches, each weighted by its
     tokens, it is the same number, and so is the critic's step it drives (seen in the next
     step's value loss)."""
-    whole, _, _ = _ppo_steps(system_cfg, 2, 0)
+    whole, _, _ = _ppo_steps(learners, system_cfg, 2, 0)
     micro = micro_batched[0]
     assert whole[0]["micro_batches"] == 1
     for key in ("value_loss", "value_clip_fraction", "value_mean", "loss"):

@@ -21,20 +21,19 @@ def test_cpu_thread_binding_splits_the_cpus_between_ranks():
     assert cpu_thread_binding([3], 2) == "3|3"
 
 
-def test_a_tp2_engine_syncs_exactly(ray_session, system_cfg, tmp_path):
+def test_a_tp2_engine_syncs_exactly(learners, system_cfg, tmp_path):
     cfg = copy.deepcopy(system_cfg)
     cfg.rollout.tensor_parallel_size = 2
     pool = RolloutPool(cfg.model.path, replace(cfg.rollout, num_workers=1, num_cpus_per_worker=0.5), 0)
-    learner = warmed_learner(cfg, 2)
     try:
-        assert pool.sync_ranks == 2
-        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
-        channel.push(3)
-        assert pool.versions() == [3]
-        synced = engine_state(pool.workers[0])
-        folder = learner.save_pretrained(str(tmp_path / "saved"))
+        with warmed_learner(learners, cfg, 2) as learner:
+            assert pool.sync_ranks == 2
+            channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+            channel.push(3)
+            assert pool.versions() == [3]
+            synced = engine_state(pool.workers[0])
+            folder = learner.save_pretrained(str(tmp_path / "saved"))
     finally:
-        learner.shutdown()
         pool.shutdown()  # one TP-2 engine at a time: this machine's memory
     assert len(synced[2]) == 2, "both tensor-parallel ranks report their shard"
     fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, cfg.rollout, 123)

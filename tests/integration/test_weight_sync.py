@@ -47,10 +47,10 @@ def model_and_workers(request, roles, system_cfg):
 
 
 @pytest.mark.parametrize("zero_stage,transport", [(2, "broadcast"), (3, "shm")])
-def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, zero_stage, transport, tmp_path):
+def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, learners, zero_stage, transport,
+                                                               tmp_path):
     cfg, pool = model_and_workers
-    learner = warmed_learner(cfg, zero_stage)
-    try:
+    with warmed_learner(learners, cfg, zero_stage) as learner:
         # Small buckets: several broadcasts (or shared-file buckets), and under ZeRO-3 several gathers.
         channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120,
                                     transport=transport)
@@ -62,8 +62,6 @@ def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_worker
         channel.push(8)  # later pushes reuse the mappings, with the file's name gone
         assert pool.versions() == [8, 8]
         folder = learner.save_pretrained(str(tmp_path / "saved"))
-    finally:
-        learner.shutdown()
     fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, cfg.rollout, 123)
     try:
         expected = engine_state(fresh)
@@ -81,17 +79,14 @@ def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_worker
     assert metrics["sync_bytes"] > 0 and metrics["sync_gbps"] > 0
 
 
-def test_a_sync_to_a_dead_worker_ends_in_an_error_not_a_hang(untied_workers):
+def test_a_sync_to_a_dead_worker_ends_in_an_error_not_a_hang(untied_workers, learners):
     """Last in this module: it kills one of the untied pool's workers for good (no second pool:
     two test workers' engines already fill most of this machine's memory)."""
     cfg, pool = untied_workers
-    learner = warmed_learner(cfg, 2)
-    try:
+    with warmed_learner(learners, cfg, 2) as learner:
         channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=1, timeout_s=30)
         channel.push(1)
         ray.kill(pool.workers[0])  # no_restart: it stays dead
         # Bounded by sync.timeout_s: an error that names the sync, not a hang.
         with pytest.raises(WeightSyncError, match="weight sync to version 2"):
             channel.push(2)
-    finally:
-        learner.shutdown()

@@ -1,0 +1,65 @@
+"""Learner groups for test modules that start many differently configured learners.
+
+A learner rank's process spends ~6 CPU-s importing torch, DeepSpeed and transformers before
+its first step, and a module such as test_learner_equivalence needs ~30 ranks (every world
+size, ZeRO stage, budget and loss setting). The pool starts one group per world size and
+rebuilds it in place for each configuration: the same processes and process group, a fresh
+policy, optimizer, reference and update (everything LearnerRank.__init__ builds, from the
+model's files and the seed, as a new process would). A rebuild takes ~0.1-0.5 s.
+
+A group whose use raised is shut down, not reused: a failed collective can leave its ranks
+anywhere. Tests that kill ranks or join them to a weight-sync group start their own.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import ray
+
+from learner.actor import LearnerRank
+from learner.group import LearnerGroup
+
+
+class RebuiltRank(LearnerRank):
+    """A LearnerRank that can start over with other settings in its own process."""
+
+    def __init__(self, rank, world_size, master_addr, master_port, *settings):
+        self._place = (rank, world_size, master_addr, master_port)
+        super().__init__(*self._place, *settings)
+
+    def rebuild(self, *settings) -> None:
+        """`settings`: LearnerRank's from `model_path` on. torch.distributed is initialised
+        already: DeepSpeed's init_distributed keeps its group; the weight-sync group is dropped."""
+        LearnerRank.__init__(self, *self._place, *settings)
+
+
+# Ray workers cannot import this module (it lives on pytest's path, not the package's): its
+# class travels by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class LearnerPool:
+    def __init__(self):
+        self.idle: dict = {}  # world size -> LearnerGroup
+
+    @contextmanager
+    def learner(self, model_path: str, cfg, algo, max_new_tokens: int, seed: int):
+        """A LearnerGroup of `cfg.num_ranks` ranks built from these settings, for the `with` body."""
+        settings = (model_path, cfg, algo, max_new_tokens, seed)
+        group = self.idle.pop(cfg.num_ranks, None)
+        if group is None:
+            group = LearnerGroup(*settings, rank_class=RebuiltRank)
+        else:
+            group.call("rebuild", *settings)
+        try:
+            yield group
+        except BaseException:
+            group.shutdown()
+            raise
+        self.idle[cfg.num_ranks] = group
+
+    def shutdown(self) -> None:
+        for group in self.idle.values():
+            group.shutdown()
+        self.idle.clear()
