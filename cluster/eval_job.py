@@ -78,18 +78,20 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
 
     from cluster.evaluation import format_table
     from cluster.placement import Placement
-    from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, prepare_prompts, resolve_model, say, show_prompt
+    from cluster.preflight import (ACTOR_ENV, check_local_resources, check_resources, make_run_dir, prepare_prompts,
+                                   resolve_model, say, show_prompt)
     from common.ray_utils import init_ray
     from reward.pool import VerifierPool
     from rollout.datasets import load_eval_problems
     from rollout.pool import RolloutPool
 
     started = time.time()
+    roles = ("rollout", "reward")  # no learner
     problems = load_eval_problems(cfg.data, cfg.trainer.seed)
+    check_local_resources(cfg, roles)
     cfg.model.path = resolve_model(cfg)
     problems, _, prompts = prepare_prompts(cfg, problems, [])
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
-    roles = ("rollout", "reward")  # no learner
     check_resources(cfg, roles)
     run_dir = make_run_dir(cfg)
     show_prompt(run_dir, prompts, started)

@@ -88,11 +88,30 @@ def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None
     connected cluster has (a placement group it cannot hold would wait forever)."""
     import ray
 
+    _check_nodes(cfg, ray.nodes(), ray.cluster_resources().get("GPU", 0.0), roles)
+
+
+def check_local_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None:
+    """check_resources before a local Ray starts, for what it will have: ray.num_cpus or the
+    CPUs Ray counts on this machine, and ray.num_gpus when set (left to Ray's detection, GPUs
+    are checked once it runs). A shortfall then exits in a second instead of after Ray's start.
+    Nothing to do when joining a cluster (ray.address, RAY_ADDRESS): checked once joined."""
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    from ray._private.utils import get_num_cpus
+
+    cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else get_num_cpus()
+    gpus = cfg.ray.num_gpus
+    node = {"Alive": True, "Resources": {"CPU": float(cpus), "GPU": float("inf") if gpus is None else float(gpus)}}
+    _check_nodes(cfg, [node], gpus or 0.0, roles)
+
+
+def _check_nodes(cfg: Config, nodes, cluster_gpus: float, roles) -> None:
     from cluster.compose import check_gpu_layout
     from cluster.placement import check
 
-    check_gpu_layout(cfg, ray.cluster_resources().get("GPU", 0.0))
-    missing = check(cfg, ray.nodes(), roles)
+    check_gpu_layout(cfg, cluster_gpus)
+    missing = check(cfg, nodes, roles)
     if missing:
         raise ConfigError(
             f"the actors need {'; '.join(missing)}: lower rollout/learner/reward num_workers, num_ranks "

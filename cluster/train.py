@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from cluster.preflight import check_inputs, prepare_prompts, resolve_model
+from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
 from cluster.run import Run
 from common.config import Config
 
@@ -26,6 +26,7 @@ def train(cfg: Config) -> Dict[str, object]:
     run = Run(cfg)
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
     check_inputs(cfg, train_set)
+    check_local_resources(cfg)
     cfg.model.path = resolve_model(cfg)
     heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
     resume_from = find_resume_point(cfg)

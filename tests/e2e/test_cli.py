@@ -65,6 +65,7 @@ def test_more_resources_than_the_cluster_exits_2(tmp_path, model_cache):
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "CPU" in lines[0] and "rollout" in lines[0], result.stderr
+    assert "Ray" not in result.stdout, "a local Ray's CPUs are known before it starts"
     assert not any(tmp_path.iterdir())
 
 
@@ -144,7 +145,8 @@ def test_verify_rejects_a_file_that_is_not_utf8(tmp_path):
 def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
     """A local Ray with 2 fake GPUs. The default rollout.num_gpus_per_worker=0 would put every
     engine on GPU 0 of each node; VLLM_BATCH_INVARIANT pins NCCL settings the sender does not
-    share. Either stops the run with exit 2 and one line."""
+    share. Either stops the run with exit 2 and one line, before Ray starts (its GPUs are
+    known: ray.num_gpus)."""
     args, env, words = [], {}, "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0"
     if case == "batch-invariant engines":
         args, env, words = ["rollout.num_gpus_per_worker=1"], {"VLLM_BATCH_INVARIANT": "1"}, "VLLM_BATCH_INVARIANT=1"
@@ -153,7 +155,7 @@ def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr
-    assert "actors ready" not in result.stdout
+    assert "Ray" not in result.stdout
 
 
 def test_ctrl_c_lets_everything_go(tmp_path, model_cache):

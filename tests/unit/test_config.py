@@ -288,3 +288,22 @@ def test_min_new_tokens_reaches_training_samples_only():
     assert GenerationWorker.sampling_params(worker, 8, False, 1).min_tokens == 5
     assert GenerationWorker.sampling_params(worker, 1, True, 1).min_tokens == 0  # greedy evaluation
     assert GenerationWorker.sampling_params(worker, 1, False, 1, max_tokens=9).min_tokens == 0  # an episode's turn
+
+
+def test_a_local_rays_resources_are_checked_before_it_starts(monkeypatch):
+    """What a local Ray will have is known before it starts: a shortfall exits at once. With
+    GPUs left to Ray's detection only the CPUs are checked early; joining a cluster, nothing."""
+    from cluster.preflight import check_local_resources
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"5.5 CPU in all \(the cluster has 2\)"):
+        check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2"]))
+    check_local_resources(load_config(["ray.num_cpus=4"]))
+    with pytest.raises(ConfigError, match="rollout.num_gpus_per_worker=0"):
+        check_local_resources(load_config(["ray.num_gpus=2", "ray.num_cpus=8"]))
+    with pytest.raises(ConfigError, match="2 GPU in all"):
+        check_local_resources(load_config(["learner.num_gpus_per_rank=1", "ray.num_gpus=0", "ray.num_cpus=8"]))
+    check_local_resources(load_config(["learner.num_gpus_per_rank=1", "ray.num_cpus=8"]))  # Ray will count them
+    check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2", "ray.address=10.0.0.1:6379"]))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2"]))
