@@ -25,6 +25,20 @@ def _rendezvous_address():
     return node_ip(), free_port()
 
 
+def _rendezvous(rank0_options: dict):
+    """Where rank 0 will host torch.distributed's rendezvous: its node's address and a free port.
+    On a one-node cluster that is the driver's node, known here. On several nodes a zero-CPU
+    probe placed where rank 0 will be (`rank0_options`: its bundle) asks that node; the probe
+    is a task, and a task needs a Ray worker process started for it (1-3 s on the start-up's
+    critical path, before any actor is created)."""
+    here = node_ip()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if len(alive) == 1 and alive[0].get("NodeManagerAddress") == here:
+        return here, free_port()
+    probe = ray.remote(num_cpus=0)(_rendezvous_address).options(**rank0_options)
+    return ray.get(probe.remote())
+
+
 class LearnerGroup:
     def __init__(self, model_path: str, cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int,
                  placement=None, rank_class: type = LearnerRank):
@@ -34,10 +48,7 @@ class LearnerGroup:
         actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(rank_class)
         world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
-        # torch.distributed's rendezvous is hosted by rank 0: ask its bundle's node for the
-        # address first (a zero-CPU probe placed where rank 0 will be).
-        probe = ray.remote(num_cpus=0)(_rendezvous_address).options(**options[0])
-        master_addr, master_port = ray.get(probe.remote())
+        master_addr, master_port = _rendezvous(options[0])
         self.ranks = [
             actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, cfg, algo,
                                                   max_new_tokens, seed)

@@ -31,7 +31,7 @@ def _args(model_cache, out, name, *extra):
     return small_overrides(model_cache, str(out)) + [
         f"trainer.run_name={name}", f"trainer.max_steps={STEPS}", "trainer.save_every=1",
         "trainer.keep_checkpoints=2", "data.num_train=16", "warmup.batch_size=16", "trainer.eval_every=2",
-        "rollout.num_workers=1",
+        "rollout.num_workers=1", "reward.num_workers=1",
         # A verifier timeout depends on the machine's load, not on the run: at 5 s one slow answer
         # of the barely trained model timed out in one run of a busy suite and not in the other.
         "reward.timeout_s=60", *extra]

@@ -32,7 +32,10 @@ def test_a_tool_run_composes_with_async_dynamic_sampling_and_resume(tmp_path, mo
     never half-trained)."""
     overrides = small_overrides(model_cache, str(tmp_path)) + [
         "data=mul", "rollout.tools=[calculator]", "trainer.mode=async", "algo.dynamic_sampling=true",
-        "trainer.save_every=1", "trainer.run_name=tools", "trainer.eval_every=0", "warmup.steps=30"]
+        "trainer.save_every=1", "trainer.run_name=tools", "trainer.eval_every=0", "warmup.steps=30",
+        # One engine and one verifier: what is tested is one actor's episodes, not the pools' (the
+        # suite is CPU-bound, and each engine costs ~10 CPU-s of imports per run).
+        "rollout.num_workers=1", "reward.num_workers=1"]
     first = run(GRPO, "train", *overrides, "trainer.max_steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = run(GRPO, "train", *overrides, "trainer.max_steps=3", "trainer.resume=auto")
