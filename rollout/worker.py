@@ -36,11 +36,12 @@ class GenerationWorker:
             # vLLM's CPU build binds each TP rank's threads to a NUMA node of its own and refuses
             # more ranks than nodes; a one-node machine splits its CPUs between the ranks instead.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp)
-        if tp == 1 and current_platform.is_cpu():
+        if current_platform.is_cpu():
             # The engine core inside this actor instead of a process of its own: on CPUs that
             # process re-imports torch and vLLM at start and every generate call pays a round
-            # trip to it (bench/results/ab_20261130.txt: start-up and steps both faster). On
-            # GPUs vLLM's own process overlaps scheduling with the GPU's work: kept there.
+            # trip to it (bench/results/ab_20261130.txt: start-up and steps both faster). A
+            # tensor-parallel engine's ranks stay processes of vLLM's `mp` executor. On GPUs
+            # vLLM's own process overlaps scheduling with the GPU's work: kept there.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if tp == 1 and current_platform.is_cpu() and rollout_cfg.num_threads:
             import torch
