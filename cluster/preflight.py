@@ -98,8 +98,10 @@ def check_local_resources(cfg: Config, roles=("rollout", "learner", "reward")) -
     Nothing to do when joining a cluster (ray.address, RAY_ADDRESS): checked once joined."""
     if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
         return
-    from ray._private.utils import get_num_cpus
-
+    try:  # Ray's own count (cgroup limits included); a private helper, so only an early check
+        from ray._private.utils import get_num_cpus
+    except ImportError:
+        return
     cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else get_num_cpus()
     gpus = cfg.ray.num_gpus
     node = {"Alive": True, "Resources": {"CPU": float(cpus), "GPU": float("inf") if gpus is None else float(gpus)}}
