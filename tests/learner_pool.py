@@ -8,7 +8,9 @@ policy, optimizer, reference and update (everything LearnerRank.__init__ builds,
 model's files and the seed, as a new process would). A rebuild takes ~0.1-0.5 s.
 
 A group whose use raised is shut down, not reused: a failed collective can leave its ranks
-anywhere. Tests that kill ranks or join them to a weight-sync group start their own.
+anywhere. A weight-sync group that rank 0 joined (tests/integration/test_weight_sync.py) is
+dropped at the next rebuild, as a new rank starts without one. Tests that kill ranks start
+their own learners.
 """
 from __future__ import annotations
 
