@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
+from cluster.placement import ROLES, check
 from common.config import Config, ConfigError
 
 # Quiet, reproducible actors: the progress bar is the run's voice, errors still propagate.
@@ -83,7 +84,7 @@ def check_inputs(cfg: Config, train_set) -> None:
                           "training rows with a solution")
 
 
-def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None:
+def check_resources(cfg: Config, roles=ROLES) -> None:
     """Every role's CPUs and GPUs, on the nodes cluster.nodes names, against what the
     connected cluster has (a placement group it cannot hold would wait forever)."""
     import ray
@@ -91,7 +92,7 @@ def check_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None
     _check_nodes(cfg, ray.nodes(), ray.cluster_resources().get("GPU", 0.0), roles)
 
 
-def check_local_resources(cfg: Config, roles=("rollout", "learner", "reward")) -> None:
+def check_local_resources(cfg: Config, roles=ROLES) -> None:
     """check_resources before a local Ray starts, for what it will have: ray.num_cpus or the
     CPUs Ray counts on this machine, and ray.num_gpus when set (left to Ray's detection, GPUs
     are checked once it runs). A shortfall then exits in a second instead of after Ray's start.
@@ -110,7 +111,6 @@ def check_local_resources(cfg: Config, roles=("rollout", "learner", "reward")) -
 
 def _check_nodes(cfg: Config, nodes, cluster_gpus: float, roles) -> None:
     from cluster.compose import check_gpu_layout
-    from cluster.placement import check
 
     check_gpu_layout(cfg, cluster_gpus)
     missing = check(cfg, nodes, roles)

@@ -31,10 +31,9 @@ def _rendezvous(rank0_options: dict):
     probe placed where rank 0 will be (`rank0_options`: its bundle) asks that node; the probe
     is a task, and a task needs a Ray worker process started for it (1-3 s on the start-up's
     critical path, before any actor is created)."""
-    here = node_ip()
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    if len(alive) == 1 and alive[0].get("NodeManagerAddress") == here:
-        return here, free_port()
+    if len(alive) == 1 and alive[0].get("NodeManagerAddress") == node_ip():
+        return _rendezvous_address()
     probe = ray.remote(num_cpus=0)(_rendezvous_address).options(**rank0_options)
     return ray.get(probe.remote())
 
