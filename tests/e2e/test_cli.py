@@ -169,8 +169,10 @@ def test_ctrl_c_lets_everything_go(tmp_path, model_cache):
 
     from helpers import small_overrides
 
+    # One engine and one verifier (each engine costs ~11 CPU-s to start); two learner ranks: their
+    # process group is what most needs letting go.
     proc = subprocess.Popen([GRPO, "train", *small_overrides(model_cache, str(tmp_path)), "trainer.max_steps=200",
-                             "trainer.mode=async"],
+                             "trainer.mode=async", "rollout.num_workers=1", "reward.num_workers=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         for line in proc.stdout:  # bounded by pytest-timeout
