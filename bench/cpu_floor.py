@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/cpu_floor.py processes -- CMD [ARGS...]   # e.g. -- make test
     .venv/bin/python bench/cpu_floor.py phases [grpo train overrides...]
-    .venv/bin/python bench/cpu_floor.py learner [--repeats 6]
+    .venv/bin/python bench/cpu_floor.py learner [--repeats 6] [--vocab-size V --groups N
+        --prompt-tokens P --completion-tokens LO-HI --layouts group]
 
 `processes` runs CMD and samples, every 0.5 s, the CPU time (user + system) of every process that
 appears while it runs; it prints the CPU seconds per kind of process (a Ray actor by its class,
@@ -19,6 +20,9 @@ process used per step in each phase.
 completions, random ids) in plain processes on one thread each: alone, then two independent
 processes at once, then two processes as one 2-rank DeepSpeed group (the job's layout). The
 first against the second is what two compute-bound processes cost each other on these cores.
+`--vocab-size`, `--groups`, `--prompt-tokens` and `--completion-tokens` change the built-in
+model's vocabulary and the batch's shape (e.g. a real vocabulary with chat-length prompts);
+`--layouts` picks which of the three to run.
 """
 from __future__ import annotations
 
@@ -170,6 +174,7 @@ def phases(overrides: list) -> None:
     print("\n(this process is the `grpo driver`; its sampling thread is counted with it)")
 
 
+LAYOUTS = ("alone", "independent", "group")
 LEARNER_CHILD = """
 import random, sys, time
 sys.path.insert(0, {root!r})
@@ -180,51 +185,63 @@ from learner.actor import LearnerRank
 from learner.tiny_model import build_tiny_model
 
 rank, world, port, repeats = (int(a) for a in sys.argv[1:5])
-path = build_tiny_model(ModelConfig(cache_dir={cache!r}))
+VOCAB, GROUPS, PROMPT, SHORTEST, LONGEST = {shape!r}
+path = build_tiny_model(ModelConfig(cache_dir={cache!r}, vocab_size=VOCAB,
+                                    max_position_embeddings=max(128, PROMPT + LONGEST)))
 learner = LearnerRank(rank, world, "127.0.0.1", port, path, LearnerConfig(num_ranks=world, num_threads=1),
-                      AlgoConfig(), 32, 0)
+                      AlgoConfig(), LONGEST, 0)
 learner.snapshot_reference()
 rng = random.Random(rank)
 def groups(n, G=8):  # with the sampler's log-probs, as vLLM's groups have them (importance weights on)
     out = []
     for i in range(n):
-        ids = [[rng.randrange(3, 200) for _ in range(rng.randint(16, 32))] for _ in range(G)]
-        out.append(PromptGroup(index=i, prompt="", answer="", prompt_ids=[rng.randrange(3, 200) for _ in range(7)],
+        ids = [[rng.randrange(3, 200) for _ in range(rng.randint(SHORTEST, LONGEST))] for _ in range(G)]
+        out.append(PromptGroup(index=i, prompt="", answer="", prompt_ids=[rng.randrange(3, 200) for _ in range(PROMPT)],
                                completions=[""] * G, policy_version=0, finish_reasons=["stop"] * G, completion_ids=ids,
                                rewards=[float(rng.random() < 0.3) for _ in range(G)],
                                sampler_logprobs=[[-5.5 + rng.random() for _ in c] for c in ids]))
     return out
 for _ in range(2):
-    learner.train_on(groups(32), 1.0, 1e-4)
+    learner.train_on(groups(GROUPS), 1.0, 1e-4)
 times = []
 for _ in range(repeats):
     begun = time.perf_counter()
-    learner.train_on(groups(32), 1.0, 1e-4)
+    learner.train_on(groups(GROUPS), 1.0, 1e-4)
     times.append(time.perf_counter() - begun)
-print(" ".join(f"{{t:.3f}}" for t in times), flush=True)
+import resource
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+print(" ".join(f"{{t:.3f}}" for t in times), f"rss={{peak_mb}}", flush=True)
 """
 
 
-def learner(repeats: int, cache: str) -> None:
+def learner(repeats: int, cache: str, shape: tuple = (0, 32, 7, 16, 32), layouts=LAYOUTS) -> None:
+    """`shape`: vocabulary (0: the tokenizer's), groups of 8 per rank, prompt tokens, shortest
+    and longest completion."""
     from common.ray_utils import free_port
 
-    code = LEARNER_CHILD.format(root=str(Path(__file__).resolve().parents[1]), cache=cache)
+    code = LEARNER_CHILD.format(root=str(Path(__file__).resolve().parents[1]), cache=cache, shape=shape)
 
     def together(layout):
         children = [subprocess.Popen([sys.executable, "-c", code, str(r), str(w), str(p), str(repeats)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                     for r, w, p in layout]
-        # The times are each child's last line (DeepSpeed logs to stdout before them).
+        # The times and the peak resident memory are each child's last line (DeepSpeed logs to
+        # stdout before them).
         out = [child.communicate()[0].strip().splitlines()[-1].split() for child in children]
-        return [float(t) for times in out for t in times]
+        peak_mb = max(int(line[-1].removeprefix("rss=")) for line in out)
+        return [float(t) for line in out for t in line[:-1]], peak_mb
 
     port = free_port()
-    rows = [("one rank alone (world 1)", together([(0, 1, free_port())])),
-            ("two independent ranks at once (world 1 each)", together([(0, 1, free_port()), (0, 1, free_port())])),
-            ("two ranks of one group at once (world 2: the job's layout)", together([(0, 2, port), (1, 2, port)]))]
-    print("\n| one rank's update on its share (32 groups x 8), 1 thread | median | range |\n| --- | --- | --- |")
-    for name, times in rows:
-        print(f"| {name} | {statistics.median(times):.3f} s | {min(times):.3f}-{max(times):.3f} s |")
+    runs = {"alone": ("one rank alone (world 1)", [(0, 1, free_port())]),
+            "independent": ("two independent ranks at once (world 1 each)",
+                            [(0, 1, free_port()), (0, 1, free_port())]),
+            "group": ("two ranks of one group at once (world 2: the job's layout)",
+                      [(0, 2, port), (1, 2, port)])}
+    rows = [(runs[k][0], together(runs[k][1])) for k in layouts]
+    print(f"\n| one rank's update on its share ({shape[1]} groups x 8), 1 thread | median | range "
+          "| peak memory of a rank |\n| --- | --- | --- | --- |")
+    for name, (times, peak_mb) in rows:
+        print(f"| {name} | {statistics.median(times):.3f} s | {min(times):.3f}-{max(times):.3f} s | {peak_mb} MB |")
 
 
 def main() -> None:
@@ -235,6 +252,11 @@ def main() -> None:
     rank = sub.add_parser("learner")
     rank.add_argument("--repeats", type=int, default=6)
     rank.add_argument("--model-cache", default="runs/bench/models")
+    rank.add_argument("--vocab-size", type=int, default=0, help="the built-in model's vocabulary (0: its tokenizer's)")
+    rank.add_argument("--groups", type=int, default=32, help="groups of 8 completions per rank")
+    rank.add_argument("--prompt-tokens", type=int, default=7)
+    rank.add_argument("--completion-tokens", default="16-32", help="shortest-longest, drawn uniformly")
+    rank.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
     if args.what == "processes":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -244,7 +266,9 @@ def main() -> None:
     elif args.what == "phases":
         phases(args.overrides)
     else:
-        learner(args.repeats, args.model_cache)
+        shortest, longest = (int(n) for n in args.completion_tokens.split("-"))
+        learner(args.repeats, args.model_cache, (args.vocab_size, args.groups, args.prompt_tokens, shortest, longest),
+                args.layouts)
 
 
 if __name__ == "__main__":

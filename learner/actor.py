@@ -114,7 +114,7 @@ class LearnerRank:
             ids, attention, mask = pad([encoded[i][0] + encoded[i][1] for i in batch], starts, self.pad_id,
                                        self.device)
             mask = model_tokens_only(mask, [encoded[i][2] for i in batch], starts)
-            logprobs = token_logprobs(self.engine, ids, attention)
+            logprobs = token_logprobs(self.engine, ids, attention, targets=mask)
             loss = -(logprobs * mask).sum() / mask.sum()
             self.engine.backward(loss)
             self.engine.step()

@@ -120,20 +120,25 @@ class MicroBatcher:
         return [torch.tensor(m, device=self.device) for m in micros]
 
     @torch.no_grad()
-    def fixed_logprobs(self, model, ids, attention, temperature: float, first_row: int = 0) -> torch.Tensor:
+    def fixed_logprobs(self, model, ids, attention, targets, temperature: float, first_row: int = 0) -> torch.Tensor:
         """Log-probs [N, T-1] of a model that does not change during the step (pi_old, pi_ref),
         in the same micro-batches as the update, so a forward's memory is bounded by the
-        token budget, not the batch. Rows before `first_row` are left at 0 (not needed)."""
-        return self.per_token(lambda i, a: token_logprobs(model, i, a, temperature), ids, attention, first_row)
+        token budget, not the batch. Rows before `first_row` are left at 0 (not needed), and so
+        are the columns before a micro-batch's first target (`targets`: the mask of completion
+        tokens; learner/logprobs.py)."""
+        return self.per_token(lambda i, a, t: token_logprobs(model, i, a, temperature, targets=t), ids, attention,
+                              first_row, targets)
 
     @torch.no_grad()
-    def per_token(self, forward, ids, attention, first_row: int = 0) -> torch.Tensor:
+    def per_token(self, forward, ids, attention, first_row: int = 0, targets=None) -> torch.Tensor:
         """`forward(ids, attention)` -> [n, T-1] float32, run micro-batch by micro-batch (each
-        trimmed to its longest row) and laid out as [N, T-1]; rows before `first_row` stay 0."""
+        trimmed to its longest row) and laid out as [N, T-1]; rows before `first_row` stay 0.
+        With `targets` [N, T-1] the forward is also given the micro-batch's share of them."""
         out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
         if first_row >= ids.shape[0]:
             return out
         for micro in self.split(torch.arange(first_row, ids.shape[0], device=ids.device), attention):
             T = int(attention[micro].sum(dim=1).max())
-            out[micro, :T - 1] = forward(ids[micro, :T], attention[micro, :T])
+            share = () if targets is None else (targets[micro, :T - 1],)
+            out[micro, :T - 1] = forward(ids[micro, :T], attention[micro, :T], *share)
         return out

@@ -7,8 +7,15 @@ several. Here the logits stay in the model's dtype and are read in row chunks of
 rebuilds the softmax chunk by chunk, so the extra memory is one gradient the size of the logits
 (in their dtype) plus one float32 chunk, whatever the vocabulary. Each row's arithmetic is
 the same as the unchunked `log_softmax(...).gather(...)`.
+
+Given the target mask, the output head runs only from the first target position on: a prompt is
+never a target, and at a real vocabulary the head's matrix product and the log-softmax over the
+prompt's positions are a large share of a forward's work and of its logits' memory.
 """
 from __future__ import annotations
+
+import inspect
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
@@ -81,12 +88,40 @@ def entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, targets: Optional[Tensor] = None):
     """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]; with `with_entropy`, also the
-    policy's entropy at those positions (no gradient), as a pair."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    chosen = chosen_logprobs(logits, input_ids[:, 1:], temperature)
+    policy's entropy at those positions (no gradient), as a pair. `targets` [N, T-1]: the
+    positions whose values are used (the completion tokens); when given, the columns before the
+    first of them are 0 and the model computes no logits for them (Hugging Face's
+    `logits_to_keep`, for models whose forward takes it)."""
+    first = first_target(targets) if targets is not None and keeps_logits(model) else 0
+    keep = {"logits_to_keep": input_ids.shape[1] - first} if first else {}
+    # Logits for positions first..T-1; the last predicts nothing here.
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **keep).logits[:, :-1]
+    chosen = _left_zeros(chosen_logprobs(logits, input_ids[:, first + 1:], temperature), first)
     if not with_entropy:
         return chosen
-    return chosen, entropy(logits.detach(), temperature)
+    return chosen, _left_zeros(entropy(logits.detach(), temperature), first)
 
+
+def first_target(targets: Tensor) -> int:
+    """The first column any row targets (0 when none does)."""
+    columns = targets.any(dim=0).nonzero()
+    return int(columns[0, 0]) if columns.numel() else 0
+
+
+_KEEPS_LOGITS: Dict[type, bool] = {}
+
+
+def keeps_logits(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (every causal LM of transformers 5
+    does; a remote-code model may not)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
+    kind = type(module)
+    if kind not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[kind] = "logits_to_keep" in inspect.signature(module.forward).parameters
+    return _KEEPS_LOGITS[kind]
+
+
+def _left_zeros(values: Tensor, columns: int) -> Tensor:
+    return torch.nn.functional.pad(values, (columns, 0)) if columns else values

@@ -69,7 +69,8 @@ class GroupUpdate:
         if algo.num_iterations == 1 and self.minibatches == 1 and not use_is:
             return self._with_reference(Fixed(A), reference, batch, temperature)
         own_rows = len(self.minibatch_rows(len(batch), batch.ids.device)[0])
-        old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, temperature, first_row=own_rows)
+        old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, batch.mask, temperature,
+                                         first_row=own_rows)
         fixed = Fixed(A, old_logprobs=old, first_minibatch_own=True)
         if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
             fixed.is_weights = torch.ones_like(old)  # the first minibatch's rows: from its forward
@@ -79,7 +80,8 @@ class GroupUpdate:
 
     def _with_reference(self, fixed: Fixed, reference, batch: Rollouts, temperature: float) -> Fixed:
         if reference is not None:
-            fixed.ref_logprobs = self.micro.fixed_logprobs(reference, batch.ids, batch.attention, temperature)
+            fixed.ref_logprobs = self.micro.fixed_logprobs(reference, batch.ids, batch.attention, batch.mask,
+                                                           temperature)
         return fixed
 
     def after_policy_step(self, mb, batch: Rollouts, fixed: Fixed) -> Dict[str, float]:
@@ -141,9 +143,9 @@ class GroupUpdate:
     def _micro_loss(self, policy, micro, T: int, batch: Rollouts, fixed: Fixed, temperature: float, num_tokens,
                     own_old: bool):
         algo = self.algo
-        logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
-                                           with_entropy=True)
         mask = batch.mask[micro, :T - 1]
+        logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
+                                           with_entropy=True, targets=mask)
         if own_old and fixed.old_logprobs is not None:  # this minibatch's pi_old, for metrics and later passes
             fixed.old_logprobs[micro, :T - 1] = logprobs.detach()
             if fixed.is_weights is not None:
@@ -201,11 +203,11 @@ class CriticUpdate(GroupUpdate):
 
     def fix(self, policy, reference, batch: Rollouts, temperature: float) -> Fixed:
         algo = self.algo
-        old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, temperature)
+        old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, batch.mask, temperature)
         use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
         is_weights, is_metrics = (grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask, algo.is_cap)
                                   if use_is else (None, {}))
-        ref = (self.micro.fixed_logprobs(reference, batch.ids, batch.attention, temperature)
+        ref = (self.micro.fixed_logprobs(reference, batch.ids, batch.attention, batch.mask, temperature)
                if reference is not None else None)
         # Token-level advantages from the critic (GAE); the KL is in the reward, not the loss.
         old_values = self.micro.per_token(self.values, batch.ids, batch.attention)

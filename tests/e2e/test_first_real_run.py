@@ -45,9 +45,9 @@ def recipe(tmp_path_factory, model_cache):
               f"data.eval_path={_write(tmp / 'test.jsonl', test_rows)}", f'data.prompt_template="{TEMPLATE}"',
               f'data.system_prompt="{SYSTEM}"', "model.max_position_embeddings=256", "rollout.max_model_len=256",
               "rollout.max_new_tokens=48", "eval.n=4", "rollout.kv_cache_gib=0.25", "logger=none",
-              # One engine and one verifier for both commands: the recipe, not the pools, is tested
-              # here (the pools are the session roles' tests), and each engine costs ~11 CPU-s to start.
-              "rollout.num_workers=1", "reward.num_workers=1",
+              # One engine, one verifier and one learner rank: the recipe, not the pools, is tested
+              # here (the pools are the session roles' tests); each engine costs ~11 CPU-s to start.
+              "rollout.num_workers=1", "reward.num_workers=1", "learner.num_ranks=1",
               "trainer.progress=false", f"model.cache_dir={model_cache}"]
     train = _run("train", *prompt, "data.chat_template=true", f"trainer.output_dir={tmp}/runs", "trainer.run_name=r",
                  "trainer.prompts_per_step=8", "algo.group_size=4", "warmup.steps=40", "warmup.batch_size=32",

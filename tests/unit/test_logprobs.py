@@ -39,3 +39,53 @@ def test_gradient_keeps_the_logits_dtype_and_one_row_chunks_work(monkeypatch):
     assert logits.grad.dtype == torch.bfloat16
     want = torch.nn.functional.one_hot(targets, 32) - torch.softmax(logits.detach().float(), -1)
     torch.testing.assert_close(logits.grad.float(), want, rtol=0, atol=1e-2)  # bf16 rounding
+
+
+def _tiny_lm():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_targets_skip_the_output_head_over_the_prompt_and_change_no_used_value_or_gradient():
+    model = _tiny_lm()
+    ids = torch.randint(0, 50, (3, 10))
+    attention = torch.ones_like(ids)
+    attention[2, 8:] = 0
+    targets = torch.zeros((3, 9), dtype=torch.bool)
+    for row, (start, end) in enumerate([(4, 10), (6, 10), (3, 8)]):  # completions' first and end tokens
+        targets[row, start - 1:end - 1] = True
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    weights = torch.randn(3, 9)
+
+    full, full_entropy = lp.token_logprobs(model, ids, attention, with_entropy=True)
+    full_grads = torch.autograd.grad((full * targets * weights).sum(), list(model.parameters()))
+    kept, kept_entropy = lp.token_logprobs(model, ids, attention, with_entropy=True, targets=targets)
+    kept_grads = torch.autograd.grad((kept * targets * weights).sum(), list(model.parameters()))
+
+    assert seen == [10, 8], "the head ran over positions 2..9 only: the first target column is 2"
+    assert kept.shape == full.shape == kept_entropy.shape == (3, 9)
+    assert not kept[:, :2].any() and not kept_entropy[:, :2].any()
+    torch.testing.assert_close(kept[targets], full[targets], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kept_entropy[targets], full_entropy[targets], rtol=1e-6, atol=1e-6)
+    for got, want in zip(kept_grads, full_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_without_logits_to_keep_gets_every_position():
+    inner = _tiny_lm()
+
+    class Plain(torch.nn.Module):  # a forward that takes no logits_to_keep (some remote-code models)
+        def forward(self, input_ids, attention_mask):
+            return inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    ids = torch.randint(0, 50, (2, 6))
+    targets = torch.zeros((2, 5), dtype=torch.bool)
+    targets[:, 3:] = True
+    got = lp.token_logprobs(Plain(), ids, torch.ones_like(ids), targets=targets)
+    torch.testing.assert_close(got, lp.token_logprobs(inner, ids, torch.ones_like(ids)))
+    assert not lp.keeps_logits(Plain()) and lp.keeps_logits(inner)
