@@ -95,8 +95,7 @@ def test_completion_texts_are_the_texts_vllm_detokenizes(roles, system_cfg):
 def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
     """Did accuracy on n problems rise by more than z standard errors of the difference of two
     proportions? A machine-independent learning check: where the warm-up lands differs
-    between CPUs (61.0% on one machine, 63.5% on another), the gain GRPO makes is what counts
-    (about +20 points in 30 steps, against a standard error of about 4 points on 200)."""
+    between CPUs (61.0% on one machine, 63.5% on another), the gain GRPO makes is what counts."""
     se = ((before * (1 - before) + after * (1 - after)) / n) ** 0.5
     return after - before > z * max(se, 1 / n)
 
@@ -151,16 +150,18 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
 
 
 def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
-    """From the default job's warm-up (stopped by its probe), 30 async
-    GRPO steps of 32 prompts must lift held-out greedy accuracy on 200 problems by more than
-    its sampling noise (see `learned`; what such runs reached is in bench/results/)."""
+    """From the default job's warm-up (stopped by its probe), 20 async GRPO steps of the default
+    job's batch (64 prompts x 8) must lift held-out greedy accuracy on 400 problems by more than
+    its sampling noise (`learned`: about 8 points here). Seeds 0-3 gained 19-29 points. (30 steps
+    of 32 prompts gained 5-22 points over the same seeds: a change that only moved float rounding
+    made seed 0 fail, so the batch is the default job's.)"""
     import copy
 
     from cluster.batches import AsyncBatches
 
     cfg = copy.deepcopy(system_cfg)
-    cfg.trainer.mode, cfg.trainer.max_steps, cfg.trainer.prompts_per_step = "async", 30, 32
-    cfg.algo.group_size, cfg.data.heldout_size = 8, 200
+    cfg.trainer.mode, cfg.trainer.max_steps, cfg.trainer.prompts_per_step = "async", 20, 64
+    cfg.algo.group_size, cfg.data.heldout_size = 8, 400
     cfg.warmup = WarmupConfig()  # the default job's warm-up
     roles = initial_roles
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)
