@@ -176,7 +176,7 @@ def phases(overrides: list) -> None:
 
 LAYOUTS = ("alone", "independent", "group")
 LEARNER_CHILD = """
-import random, sys, time
+import random, resource, sys, time
 sys.path.insert(0, {root!r})
 import torch
 from common.config import AlgoConfig, LearnerConfig, ModelConfig
@@ -208,7 +208,6 @@ for _ in range(repeats):
     begun = time.perf_counter()
     learner.train_on(groups(GROUPS), 1.0, 1e-4)
     times.append(time.perf_counter() - begun)
-import resource
 peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 print(" ".join(f"{{t:.3f}}" for t in times), f"rss={{peak_mb}}", flush=True)
 """

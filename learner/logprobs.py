@@ -96,7 +96,7 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature
     `logits_to_keep`, for models whose forward takes it)."""
     first = first_target(targets) if targets is not None and keeps_logits(model) else 0
     keep = {"logits_to_keep": input_ids.shape[1] - first} if first else {}
-    # Logits for positions first..T-1; the last predicts nothing here.
+    # Logits of positions first..T-1; the last is dropped: it predicts no token of this row.
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **keep).logits[:, :-1]
     chosen = _left_zeros(chosen_logprobs(logits, input_ids[:, first + 1:], temperature), first)
     if not with_entropy:
