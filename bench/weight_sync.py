@@ -1,6 +1,7 @@
 """Weight-sync bandwidth and fixed cost, and generation throughput in the system vs standalone vLLM.
 
     .venv/bin/python bench/weight_sync.py [--sizes 10M 100M 500M] [--pushes 5]
+    .venv/bin/python bench/weight_sync.py --reload-alone [--sizes 10M 100M 500M] [--threads 1 2]
 
 Part 1, for each model size: one DeepSpeed learner rank (ZeRO-2) and two vLLM generation actors,
 joined by the real sync channel (`sync.bucket_mb`, gloo on this CPU machine). Each push is timed
@@ -9,6 +10,12 @@ the learner's side alone (pack + broadcast: `sync_gbps`). Next to it, in the sam
 plain memory copy of the same number of bytes (torch `copy_`), the ceiling of any transfer on
 one machine. The fixed cost per sync is the intercept of a least-squares line through the
 end-to-end times against bytes.
+
+Part 1b (`--reload-alone`): vLLM's reload alone, the floor under any transport. One engine in a
+process of its own (`--threads` torch threads: 1 is what each of two pool workers gets on two
+cores) reloads the model from tensors already in its memory, as the sync's receiver does (the
+layerwise reload); timed with its oneDNN weight packing apart, next to a memory copy of the same
+bytes in the same process.
 
 Part 2: completion tokens/s of the rollout pool (two workers, chunks to whichever is free) on
 the built-in model, next to one standalone vLLM engine (a plain `vllm.LLM` in its own process)
@@ -127,6 +134,65 @@ print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds}))
 """
 
 
+RELOAD = r"""
+import json, os, statistics, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's worker in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+import torch
+args = json.loads(sys.argv[1])
+torch.set_num_threads(args["threads"])  # before the engine starts: vLLM refuses it afterwards
+from pathlib import Path
+from safetensors.torch import load_file
+from vllm import LLM, _custom_ops as ops
+weights = {}
+for f in sorted(Path(args["model"]).glob("*.safetensors")):
+    weights.update(load_file(str(f)))
+if "lm_head.weight" not in weights:  # a tied head is sent too, as the sync does
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+llm = LLM(model=args["model"], dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+worker = llm.llm_engine.model_executor.driver_worker.worker
+packing = [0.0]
+create = ops.create_onednn_mm
+def timed_create(*a, **k):
+    start = time.perf_counter()
+    try:
+        return create(*a, **k)
+    finally:
+        packing[0] += time.perf_counter() - start
+ops.create_onednn_mm = timed_create
+walls, packs = [], []
+for i in range(args["repeats"] + 1):  # the first is a warm one
+    packing[0] = 0.0
+    start = time.perf_counter()
+    worker.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+    if i:
+        walls.append(time.perf_counter() - start)
+        packs.append(packing[0])
+num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+src = torch.cat([t.reshape(-1) for t in weights.values()])
+dst = torch.empty_like(src)
+dst.copy_(src)
+copies = []
+for _ in range(5):
+    start = time.perf_counter()
+    dst.copy_(src)
+    copies.append(time.perf_counter() - start)
+print("RESULT " + json.dumps({"bytes": num_bytes, "reload_s": statistics.median(walls),
+                              "packing_s": statistics.median(packs), "memcpy_s": statistics.median(copies)}))
+"""
+
+
+def reload_alone(size: str, cache: str, repeats: int, threads: int) -> dict:
+    from bench.model_sizes import build
+
+    payload = json.dumps({"model": build(size, cache), "repeats": repeats, "threads": threads})
+    out = subprocess.run([sys.executable, "-c", RELOAD, payload], capture_output=True, text=True, check=True)
+    result = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    return {"size": size, "threads": threads, **result,
+            "reload_gbps": result["bytes"] / result["reload_s"] / 1e9,
+            "memcpy_gbps": result["bytes"] / result["memcpy_s"] / 1e9}
+
+
 def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: int) -> dict:
     from cluster.compose import load_config
     from cluster.preflight import resolve_model
@@ -176,7 +242,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks-per-worker", type=int, default=1, help="rollout.chunks_per_worker of the pool")
     parser.add_argument("--output", default="runs/bench/weight_sync.json")
+    parser.add_argument("--reload-alone", action="store_true",
+                        help="only vLLM's reload in one engine (part 1b), per size and thread count")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the engine's threads (--reload-alone)")
     args = parser.parse_args()
+    if args.reload_alone:
+        return report_reloads(args)
     import ray
 
     from cluster.preflight import ACTOR_ENV
@@ -217,6 +288,25 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "sync": rows, "fixed_s": fixed, "generation": gen},
                               indent=2) + "\n")
+    return 0
+
+
+def report_reloads(args) -> int:
+    rows = []
+    for size in args.sizes:
+        for threads in args.threads:
+            rows.append(reload_alone(size, args.cache, args.repeats, threads))
+            print(json.dumps(rows[-1]), flush=True)
+    lines = ["| model | bytes (fp32) | engine threads | reload (median) | reload GB/s | of it oneDNN packing | "
+             "memcpy, same bytes | reload rate / memcpy rate |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['bytes'] / 2**20:.0f} MiB | {r['threads']} | {r['reload_s']:.3f} s | "
+                     f"{r['reload_gbps']:.2f} | {r['packing_s']:.3f} s | {r['memcpy_s']:.3f} s | "
+                     f"{r['memcpy_s'] / r['reload_s']:.0%} |")
+    print("\n".join(lines))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "reload_alone": rows}, indent=2) + "\n")
     return 0
 
 
