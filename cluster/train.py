@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 
 from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
 from cluster.run import Run
+from common import heap
 from common.config import Config
 
 
@@ -24,12 +25,13 @@ def train(cfg: Config) -> Dict[str, object]:
     from rollout.datasets import load_problems
 
     run = Run(cfg)
-    heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
-    check_inputs(cfg, train_set)
-    check_local_resources(cfg)
-    cfg.model.path = resolve_model(cfg)
-    heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
-    resume_from = find_resume_point(cfg)
+    with heap.quiet_start():  # the driver's imports and preparation: no full collections of the heap
+        heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
+        check_inputs(cfg, train_set)
+        check_local_resources(cfg)
+        cfg.model.path = resolve_model(cfg)
+        heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
+        resume_from = find_resume_point(cfg)
     try:
         run.start(prompts)
         first_step = begin(run, train_set, heldout, prompts, resume_from)

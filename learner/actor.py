@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from common import weight_sync
+from common import heap, weight_sync
 from common.config import AlgoConfig, LearnerConfig
 from common.ray_utils import free_port, node_ip
 from learner import engines
@@ -27,6 +27,11 @@ class LearnerRank:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int):
         """`max_new_tokens`: the longest completion (Dr. GRPO's constant divisor, DAPO's limit)."""
+        with heap.quiet_start():  # importing DeepSpeed and transformers, loading the model: no full collections
+            self._start(rank, world_size, master_addr, master_port, model_path, cfg, algo, max_new_tokens, seed)
+
+    def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+               cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.algo, self.max_new_tokens = cfg, algo, max_new_tokens
         self.on_gpu = torch.cuda.is_available() and cfg.num_gpus_per_rank > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from common import heap
 from common.config import RolloutConfig
 from common.prompt_group import PromptGroup
 from rollout import texts
@@ -25,6 +26,10 @@ class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int):
+        with heap.quiet_start():  # importing vLLM and starting it: no full collections of the heap
+            self._start(model_path, rollout_cfg, seed)
+
+    def _start(self, model_path: str, rollout_cfg: RolloutConfig, seed: int) -> None:
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
@@ -77,6 +82,8 @@ class GenerationWorker:
 
     def _start_engine(self, model_path: str, kv_bytes, tp: int, seed: int):
         from vllm import LLM
+
+        heap.freeze_heap()  # vLLM's start runs full collections: they need not walk the imported stack
 
         rollout_cfg = self.cfg
         cpu = {}

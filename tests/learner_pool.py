@@ -14,6 +14,7 @@ their own learners.
 """
 from __future__ import annotations
 
+import gc
 import sys
 from contextlib import contextmanager
 
@@ -32,7 +33,12 @@ class RebuiltRank(LearnerRank):
 
     def rebuild(self, *settings) -> None:
         """`settings`: LearnerRank's from `model_path` on. torch.distributed is initialised
-        already: DeepSpeed's init_distributed keeps its group; the weight-sync group is dropped."""
+        already: DeepSpeed's init_distributed keeps its group; the weight-sync group is dropped.
+        A start freezes the heap (common/heap.py): it is unfrozen and collected first, so that the
+        last configuration's engines (DeepSpeed's hold reference cycles) are freed, as in a new
+        process."""
+        gc.unfreeze()
+        gc.collect()
         LearnerRank.__init__(self, *self._place, *settings)
 
 
