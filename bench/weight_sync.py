@@ -186,7 +186,9 @@ def reload_alone(size: str, cache: str, repeats: int, threads: int) -> dict:
     from bench.model_sizes import build
 
     payload = json.dumps({"model": build(size, cache), "repeats": repeats, "threads": threads})
-    out = subprocess.run([sys.executable, "-c", RELOAD, payload], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", RELOAD, payload], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the reload child failed ({size}, {threads} threads):\n{out.stderr[-3000:]}")
     result = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     return {"size": size, "threads": threads, **result,
             "reload_gbps": result["bytes"] / result["reload_s"] / 1e9,
@@ -241,11 +243,14 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks-per-worker", type=int, default=1, help="rollout.chunks_per_worker of the pool")
-    parser.add_argument("--output", default="runs/bench/weight_sync.json")
+    parser.add_argument("--output", default=None,
+                        help="JSON results (default runs/bench/weight_sync.json, weight_sync_reload_alone.json)")
     parser.add_argument("--reload-alone", action="store_true",
                         help="only vLLM's reload in one engine (part 1b), per size and thread count")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the engine's threads (--reload-alone)")
     args = parser.parse_args()
+    if args.output is None:
+        args.output = f"runs/bench/weight_sync{'_reload_alone' if args.reload_alone else ''}.json"
     if args.reload_alone:
         return report_reloads(args)
     import ray

@@ -25,7 +25,9 @@ def train(cfg: Config) -> Dict[str, object]:
     from rollout.datasets import load_problems
 
     run = Run(cfg)
-    with heap.quiet_start():  # the driver's imports and preparation: no full collections of the heap
+    # The imports (torch, transformers) trigger full collections that walk the whole heap again
+    # and again (common/heap.py).
+    with heap.without_full_collections():
         heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
         check_inputs(cfg, train_set)
         check_local_resources(cfg)

@@ -27,7 +27,9 @@ class LearnerRank:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int):
         """`max_new_tokens`: the longest completion (Dr. GRPO's constant divisor, DAPO's limit)."""
-        with heap.quiet_start():  # importing DeepSpeed and transformers, loading the model: no full collections
+        # Importing DeepSpeed and transformers and loading the model trigger full collections
+        # that walk the whole imported stack again and again (common/heap.py).
+        with heap.without_full_collections():
             self._start(rank, world_size, master_addr, master_port, model_path, cfg, algo, max_new_tokens, seed)
 
     def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,

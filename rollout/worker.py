@@ -26,7 +26,9 @@ class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int):
-        with heap.quiet_start():  # importing vLLM and starting it: no full collections of the heap
+        # Importing vLLM and starting its engine trigger full collections that walk the whole
+        # imported stack again and again (common/heap.py).
+        with heap.without_full_collections():
             self._start(model_path, rollout_cfg, seed)
 
     def _start(self, model_path: str, rollout_cfg: RolloutConfig, seed: int) -> None:
@@ -83,7 +85,7 @@ class GenerationWorker:
     def _start_engine(self, model_path: str, kv_bytes, tp: int, seed: int):
         from vllm import LLM
 
-        heap.freeze_heap()  # vLLM's start runs full collections: they need not walk the imported stack
+        heap.freeze_heap()  # vLLM's start runs five full collections itself: not over the imported stack
 
         rollout_cfg = self.cfg
         cpu = {}

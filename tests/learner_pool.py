@@ -34,9 +34,12 @@ class RebuiltRank(LearnerRank):
     def rebuild(self, *settings) -> None:
         """`settings`: LearnerRank's from `model_path` on. torch.distributed is initialised
         already: DeepSpeed's init_distributed keeps its group; the weight-sync group is dropped.
-        A start freezes the heap (common/heap.py): it is unfrozen and collected first, so that the
-        last configuration's engines (DeepSpeed's hold reference cycles) are freed, as in a new
-        process."""
+        A start freezes the heap (common/heap.py): the last configuration's engines are dropped,
+        the heap unfrozen and collected first, so that they are freed (DeepSpeed's engines hold
+        reference cycles), as in a new process."""
+        place = self._place
+        self.__dict__.clear()
+        self._place = place
         gc.unfreeze()
         gc.collect()
         LearnerRank.__init__(self, *self._place, *settings)

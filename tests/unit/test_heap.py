@@ -1,4 +1,4 @@
-"""The quiet start of an actor's heap: no automatic full collections within, frozen after."""
+"""A process's start without full garbage collections (common/heap.py)."""
 from __future__ import annotations
 
 import gc
@@ -6,27 +6,36 @@ import gc
 from common import heap
 
 
-def test_a_quiet_start_holds_full_collections_then_freezes_what_it_built_and_restores_the_thresholds():
+def test_within_no_full_collection_runs_young_ones_do_and_after_the_heap_is_frozen_and_thresholds_restored():
     before = gc.get_threshold()
+    generations = []
+
+    def seen(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
     gc.unfreeze()
+    gc.callbacks.append(seen)
     try:
-        with heap.quiet_start():
-            young, middle, full = gc.get_threshold()
-            assert (young, middle) == before[:2] and full > 10**6  # young collections still run
-            built = [[i] for i in range(1000)]  # tracked objects made during the start
+        with heap.without_full_collections():
+            assert gc.get_threshold()[:2] == before[:2]
+            built = [[i] for i in range(300_000)]  # enough allocations for many young collections
+            inside = list(generations)
+        assert inside and 2 not in inside, inside  # young collections ran, no full one
         assert gc.get_threshold() == before
         assert gc.get_freeze_count() >= len(built)
     finally:
+        gc.callbacks.remove(seen)
         gc.unfreeze()
 
 
-def test_a_failing_start_still_restores_the_thresholds():
+def test_a_failing_start_restores_the_thresholds_and_freezes_nothing():
     before = gc.get_threshold()
+    gc.unfreeze()
     try:
-        with heap.quiet_start():
+        with heap.without_full_collections():
             raise RuntimeError("the engine did not start")
     except RuntimeError:
         pass
-    finally:
-        gc.unfreeze()
     assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
