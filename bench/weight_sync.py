@@ -140,6 +140,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's worker in thi
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch
 args = json.loads(sys.argv[1])
+sys.path.insert(0, args["root"])
+from bench.weight_sync import memcpy_gbps
 torch.set_num_threads(args["threads"])  # before the engine starts: vLLM refuses it afterwards
 from pathlib import Path
 from safetensors.torch import load_file
@@ -169,23 +171,16 @@ for i in range(args["repeats"] + 1):  # the first is a warm one
         walls.append(time.perf_counter() - start)
         packs.append(packing[0])
 num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-src = torch.cat([t.reshape(-1) for t in weights.values()])
-dst = torch.empty_like(src)
-dst.copy_(src)
-copies = []
-for _ in range(5):
-    start = time.perf_counter()
-    dst.copy_(src)
-    copies.append(time.perf_counter() - start)
 print("RESULT " + json.dumps({"bytes": num_bytes, "reload_s": statistics.median(walls),
-                              "packing_s": statistics.median(packs), "memcpy_s": statistics.median(copies)}))
+                              "packing_s": statistics.median(packs),
+                              "memcpy_s": num_bytes / memcpy_gbps(num_bytes) / 1e9}))  # same threads
 """
 
 
 def reload_alone(size: str, cache: str, repeats: int, threads: int) -> dict:
     from bench.model_sizes import build
 
-    payload = json.dumps({"model": build(size, cache), "repeats": repeats, "threads": threads})
+    payload = json.dumps({"model": build(size, cache), "repeats": repeats, "threads": threads, "root": str(ROOT)})
     out = subprocess.run([sys.executable, "-c", RELOAD, payload], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"the reload child failed ({size}, {threads} threads):\n{out.stderr[-3000:]}")

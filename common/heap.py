@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
-from typing import Iterator
+from typing import Callable, Iterator
 
 _UNFREEZE_AT_EXIT = False
 
@@ -42,3 +43,13 @@ def without_full_collections() -> Iterator[None]:
         freeze_heap()
     finally:
         gc.set_threshold(young, middle, full)
+
+
+def started_without_full_collections(init: Callable) -> Callable:
+    """An actor's `__init__` run within `without_full_collections()`: its imports and the engine
+    it builds trigger full collections that walk the whole imported stack again and again."""
+    @functools.wraps(init)
+    def start(*args, **kwargs) -> None:
+        with without_full_collections():
+            init(*args, **kwargs)
+    return start

@@ -24,16 +24,10 @@ from learner.update import make_update, shape_rewards
 
 
 class LearnerRank:
+    @heap.started_without_full_collections  # DeepSpeed's and transformers' imports, the model's load
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int):
         """`max_new_tokens`: the longest completion (Dr. GRPO's constant divisor, DAPO's limit)."""
-        # Importing DeepSpeed and transformers and loading the model trigger full collections
-        # that walk the whole imported stack again and again (common/heap.py).
-        with heap.without_full_collections():
-            self._start(rank, world_size, master_addr, master_port, model_path, cfg, algo, max_new_tokens, seed)
-
-    def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
-               cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.algo, self.max_new_tokens = cfg, algo, max_new_tokens
         self.on_gpu = torch.cuda.is_available() and cfg.num_gpus_per_rank > 0

@@ -25,13 +25,8 @@ class EngineStartError(RuntimeError):
 class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
+    @heap.started_without_full_collections  # vLLM's import and its engine's start
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int):
-        # Importing vLLM and starting its engine trigger full collections that walk the whole
-        # imported stack again and again (common/heap.py).
-        with heap.without_full_collections():
-            self._start(model_path, rollout_cfg, seed)
-
-    def _start(self, model_path: str, rollout_cfg: RolloutConfig, seed: int) -> None:
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
