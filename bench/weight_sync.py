@@ -1,7 +1,7 @@
 """Weight-sync bandwidth and fixed cost, and generation throughput in the system vs standalone vLLM.
 
     .venv/bin/python bench/weight_sync.py [--sizes 10M 100M 500M] [--pushes 5]
-    .venv/bin/python bench/weight_sync.py --reload-alone [--sizes 10M 100M 500M] [--threads 1 2]
+    .venv/bin/python bench/weight_sync.py --reload-alone [--sizes 10M 100M 500M] [--threads 1 2] [--linear onednn torch]
 
 Part 1, for each model size: one DeepSpeed learner rank (ZeRO-2) and two vLLM generation actors,
 joined by the real sync channel (`sync.bucket_mb`, gloo on this CPU machine). Each push is timed
@@ -15,7 +15,10 @@ Part 1b (`--reload-alone`): vLLM's reload alone, the floor under any transport. 
 process of its own (`--threads` torch threads: 1 is what each of two pool workers gets on two
 cores) reloads the model from tensors already in its memory, as the sync's receiver does (the
 layerwise reload); timed with its oneDNN weight packing apart, next to a memory copy of the same
-bytes in the same process.
+bytes in the same process. `--linear torch` runs the same engine with vLLM's plain-torch
+linear layers instead of oneDNN's packed ones (their weights stay ordinary tensors, so a load can
+copy straight into them: also timed, as `direct`), and each run measures the engine's generation
+rate (fixed-length sampled completions), the price of that layout.
 
 Part 2: completion tokens/s of the rollout pool (two workers, chunks to whichever is free) on
 the built-in model, next to one standalone vLLM engine (a plain `vllm.LLM` in its own process)
@@ -145,7 +148,9 @@ from bench.weight_sync import memcpy_gbps
 torch.set_num_threads(args["threads"])  # before the engine starts: vLLM refuses it afterwards
 from pathlib import Path
 from safetensors.torch import load_file
-from vllm import LLM, _custom_ops as ops
+from vllm import LLM, SamplingParams, _custom_ops as ops
+if args["linear"] == "torch":
+    ops._supports_onednn = False  # vLLM's dispatch then keeps each weight and calls torch's linear
 weights = {}
 for f in sorted(Path(args["model"]).glob("*.safetensors")):
     weights.update(load_file(str(f)))
@@ -170,22 +175,46 @@ for i in range(args["repeats"] + 1):  # the first is a warm one
     if i:
         walls.append(time.perf_counter() - start)
         packs.append(packing[0])
+direct = []
+if args["linear"] == "torch":  # unpacked weights: the model's own loaders copy into them in place
+    model = worker.model_runner.get_model()
+    for i in range(args["repeats"] + 1):
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.load_weights(iter(weights.items()))
+        if i:
+            direct.append(time.perf_counter() - start)
+# Generation: the same engine, fixed-length sampled completions (a batch of 8 per prompt).
+n, length = 8, args["gen_tokens"]
+prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 200 for j in range(16)]} for i in range(args["gen_prompts"])]
+sampling = [SamplingParams(n=n, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True, seed=i)
+            for i in range(len(prompts))]
+llm.generate(prompts[:2], sampling[:2], use_tqdm=False)  # warm
+gens = []
+for _ in range(args["repeats"]):
+    start = time.perf_counter()
+    llm.generate(prompts, sampling, use_tqdm=False)
+    gens.append(time.perf_counter() - start)
 num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 print("RESULT " + json.dumps({"bytes": num_bytes, "reload_s": statistics.median(walls),
                               "packing_s": statistics.median(packs),
+                              "direct_s": statistics.median(direct) if direct else None,
+                              "gen_tokens_per_s": len(prompts) * n * length / statistics.median(gens),
                               "memcpy_s": num_bytes / memcpy_gbps(num_bytes) / 1e9}))  # same threads
 """
 
 
-def reload_alone(size: str, cache: str, repeats: int, threads: int) -> dict:
+def reload_alone(size: str, cache: str, repeats: int, threads: int, linear: str, gen_prompts: int,
+                 gen_tokens: int) -> dict:
     from bench.model_sizes import build
 
-    payload = json.dumps({"model": build(size, cache), "repeats": repeats, "threads": threads, "root": str(ROOT)})
+    payload = json.dumps({"model": build(size, cache), "repeats": repeats, "threads": threads, "root": str(ROOT),
+                          "linear": linear, "gen_prompts": gen_prompts, "gen_tokens": gen_tokens})
     out = subprocess.run([sys.executable, "-c", RELOAD, payload], capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"the reload child failed ({size}, {threads} threads):\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"the reload child failed ({size}, {threads} threads, {linear}):\n{out.stderr[-3000:]}")
     result = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
-    return {"size": size, "threads": threads, **result,
+    return {"size": size, "threads": threads, "linear": linear, **result,
             "reload_gbps": result["bytes"] / result["reload_s"] / 1e9,
             "memcpy_gbps": result["bytes"] / result["memcpy_s"] / 1e9}
 
@@ -243,6 +272,12 @@ def main() -> int:
     parser.add_argument("--reload-alone", action="store_true",
                         help="only vLLM's reload in one engine (part 1b), per size and thread count")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the engine's threads (--reload-alone)")
+    parser.add_argument("--linear", nargs="+", default=["onednn"], choices=["onednn", "torch"],
+                        help="vLLM's CPU linear layers (--reload-alone): oneDNN's packed weights (vLLM's "
+                             "default) or plain torch.nn.functional.linear")
+    parser.add_argument("--gen-prompts", type=int, default=16, help="prompts (x8 completions) of --reload-alone's "
+                                                                   "generation rate")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="tokens per completion, same")
     args = parser.parse_args()
     if args.output is None:
         args.output = f"runs/bench/weight_sync{'_reload_alone' if args.reload_alone else ''}.json"
@@ -295,14 +330,19 @@ def report_reloads(args) -> int:
     rows = []
     for size in args.sizes:
         for threads in args.threads:
-            rows.append(reload_alone(size, args.cache, args.repeats, threads))
-            print(json.dumps(rows[-1]), flush=True)
-    lines = ["| model | bytes (fp32) | engine threads | reload (median) | reload GB/s | of it oneDNN packing | "
-             "memcpy, same bytes | reload rate / memcpy rate |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for linear in args.linear:
+                rows.append(reload_alone(size, args.cache, args.repeats, threads, linear, args.gen_prompts,
+                                         args.gen_tokens))
+                print(json.dumps(rows[-1]), flush=True)
+    lines = ["| model | bytes (fp32) | engine threads | linear layers | reload (median) | reload GB/s | of it oneDNN "
+             "packing | direct load | memcpy, same bytes | fastest load rate / memcpy rate | generation tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['bytes'] / 2**20:.0f} MiB | {r['threads']} | {r['reload_s']:.3f} s | "
-                     f"{r['reload_gbps']:.2f} | {r['packing_s']:.3f} s | {r['memcpy_s']:.3f} s | "
-                     f"{r['memcpy_s'] / r['reload_s']:.0%} |")
+        fastest = min(t for t in (r["reload_s"], r["direct_s"]) if t is not None)
+        direct = "-" if r["direct_s"] is None else f"{r['direct_s']:.3f} s"
+        lines.append(f"| {r['size']} | {r['bytes'] / 2**20:.0f} MiB | {r['threads']} | {r['linear']} | "
+                     f"{r['reload_s']:.3f} s | {r['reload_gbps']:.2f} | {r['packing_s']:.3f} s | {direct} | "
+                     f"{r['memcpy_s']:.3f} s | {r['memcpy_s'] / fastest:.0%} | {r['gen_tokens_per_s']:.0f} |")
     print("\n".join(lines))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
