@@ -103,15 +103,17 @@ def load_trainer_state(checkpoint: Path) -> Dict[str, Any]:
 
 def export_checkpoint(checkpoint: str, folder: str) -> str:
     """Write checkpoint's policy as a Hugging Face folder (fp32 master weights, config, tokenizer)."""
+    ckpt = Path(checkpoint)
+    # Checked before torch and transformers are imported: a wrong path answers in well under a
+    # second, not after five seconds of imports.
+    if not (ckpt / STATE_FILE).is_file() or not (ckpt / "learner").is_dir():
+        raise ValueError(f"'{checkpoint}' is not a complete checkpoint (no {STATE_FILE} or learner/)")
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    ckpt = Path(checkpoint)
-    if not (ckpt / STATE_FILE).is_file() or not (ckpt / "learner").is_dir():
-        raise ValueError(f"'{checkpoint}' is not a complete checkpoint (no {STATE_FILE} or learner/)")
     state = _fp32_state_dict(ckpt / "learner")
     config = AutoConfig.from_pretrained(ckpt / "model")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -151,7 +151,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
     """Clipped GRPO loss -(surrogate - beta*KL) over completion tokens, aggregated by loss_agg.
 
     logprobs/old_logprobs/ref_logprobs/mask: [N, T]; advantages: [N]. Returns (scalar loss,
-    metrics of python floats). A completion with no mask tokens adds 0 and, under
+    metrics as 0-dim tensors: reading each back here would make the host wait for the device
+    several times per micro-batch; the update reads them once per step, `host_floats`). A completion with no mask tokens adds 0 and, under
     seq-mean-token-mean, is left out of the mean over completions (so it never gives NaN).
     `num_tokens` replaces the token count that token-mean divides by: with data-parallel
     ranks, the whole batch's count divided by the number of ranks, so that averaging the
@@ -186,11 +187,13 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
     with torch.no_grad():
         # The clipped branch is the active minimum only when rho left the band on A's side.
         clipped = ((A > 0) & (rho > 1 + clip_high)) | ((A < 0) & (rho < 1 - clip_low))
+        none = zero.new_zeros(())
         metrics = {
-            "loss": loss.item(),
-            "kl": masked_mean(kl, mask).item() if beta != 0 else 0.0,
-            "clip_fraction": masked_mean(clipped.to(rho.dtype), mask).item(),
-            "ratio_mean": masked_mean(rho, mask).item(),
-            "ratio_max": rho[mask].max().item() if mask.any() else 0.0,
+            "loss": loss.detach(),
+            "kl": masked_mean(kl, mask) if beta != 0 else none,
+            "clip_fraction": masked_mean(clipped.to(rho.dtype), mask),
+            "ratio_mean": masked_mean(rho, mask),
+            # rho > 0, so the zeros off the mask never win; an empty mask gives 0
+            "ratio_max": torch.where(mask, rho, zero).max() if rho.numel() else none,
         }
     return loss, metrics

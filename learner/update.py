@@ -104,8 +104,8 @@ class GroupUpdate:
         if fixed.first_minibatch_own and fixed.is_weights is not None:  # now that every row's pi_old is known
             fixed.metrics = grpo.is_metrics(fixed.old_logprobs, batch.sampler_logprobs, batch.mask, self.algo.is_cap)
         out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
-        out["advantage_abs_mean"] = float(fixed.advantages.abs().mean())
-        return {**out, **fixed.metrics}
+        out["advantage_abs_mean"] = fixed.advantages.abs().mean()
+        return host_floats({**out, **fixed.metrics})
 
     def minibatch_rows(self, n: int, device) -> List[torch.Tensor]:
         """Row indices of each minibatch of a batch of n rows, in the order they are trained."""
@@ -120,7 +120,7 @@ class GroupUpdate:
         if self.algo.loss_agg == "token-mean":  # the batch's tokens, over every rank
             num_tokens = global_sum(batch.mask[mb].sum()) / self.world_size
         weights = self._micro_weights(micros, batch.mask, exact=num_tokens is not None)
-        metrics: Dict[str, float] = {}
+        metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
         for j, (micro, T) in enumerate(accumulating(policy, micros, batch)):
             loss, micro_metrics = self._micro_loss(policy, micro, T, batch, fixed, temperature, num_tokens, own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
@@ -162,8 +162,16 @@ class GroupUpdate:
             loss_agg=algo.loss_agg, max_length=self.max_length, ratio_level=algo.ratio_level,
             num_tokens=num_tokens, is_weights=None if fixed.is_weights is None else fixed.is_weights[micro, :T - 1],
         )
-        metrics["entropy"] = float(grpo.masked_mean(entropy, mask))
+        metrics["entropy"] = grpo.masked_mean(entropy, mask)
         return loss, metrics
+
+
+def host_floats(metrics: Dict[str, object]) -> Dict[str, float]:
+    """The step's metrics as python floats: those still tensors on the device are read back
+    together, one wait for the device per step instead of several per micro-batch."""
+    on_device = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([metrics[k].double() for k in on_device]).tolist() if on_device else []
+    return {**{k: float(v) for k, v in metrics.items()}, **dict(zip(on_device, values))}
 
 
 def accumulating(engine, micros: list, batch: Rollouts):
@@ -178,12 +186,15 @@ def accumulating(engine, micros: list, batch: Rollouts):
         yield micro, T
 
 
-def _accumulate(total: Dict[str, float], metrics: Dict[str, float], weight: float, num_micros: int) -> None:
-    """A micro-batch's metrics into the minibatch's: the loss by its weight, the largest ratio
-    as a max, every other metric as a plain mean over the micro-batches."""
+def _accumulate(total: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor], weight: float,
+                num_micros: int) -> None:
+    """A micro-batch's metrics (0-dim tensors) into the minibatch's, on the device: the loss by
+    its weight, the largest ratio as a max, every other metric as a plain mean over the
+    micro-batches. In float64, the arithmetic python floats did when they were read each time."""
     for key, value in metrics.items():
+        value = value.double()
         if key == "ratio_max":
-            total[key] = max(total.get(key, 0.0), value)
+            total[key] = torch.maximum(total[key], value) if key in total else value.clamp(min=0.0)
         else:
             total[key] = total.get(key, 0.0) + (weight if key == "loss" else 1.0 / num_micros) * value
 

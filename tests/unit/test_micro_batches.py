@@ -37,3 +37,27 @@ def test_a_subset_of_rows_keeps_its_own_indices_and_no_budget_keeps_one(world_of
     rows = torch.tensor([6, 5, 2])
     assert [m.tolist() for m in MicroBatcher(14, "cpu").split(rows, _attention(lengths))] == [[5, 2], [6]]
     assert [m.tolist() for m in MicroBatcher(0, "cpu").split(rows, _attention(lengths))] == [[6, 5, 2]]
+
+
+def test_metrics_kept_on_the_device_sum_exactly_as_floats_read_each_time_did():
+    """The update accumulates each micro-batch's metrics as float32 tensors and reads them once
+    per step; the result must be what reading each as a python float (float64 arithmetic) and
+    summing on the host gave, to the last bit (the resume test compares metrics exactly)."""
+    from learner.update import _accumulate, host_floats
+
+    gen = torch.Generator().manual_seed(3)
+    micros = [{k: torch.rand((), generator=gen, dtype=torch.float32) * 3 for k in ("loss", "kl", "ratio_max")}
+              for _ in range(7)]
+    weights = [float(w) for w in torch.rand(7, generator=gen)]
+    total: dict = {}
+    for m, w in zip(micros, weights):
+        _accumulate(total, m, w, len(micros))
+    got = host_floats({**total, "micro_batches": 7.0})
+
+    want = {"loss": 0.0, "kl": 0.0}
+    for m, w in zip(micros, weights):
+        want["loss"] += w * float(m["loss"])
+        want["kl"] += 1.0 / len(micros) * float(m["kl"])
+    want["ratio_max"] = max(float(m["ratio_max"]) for m in micros)
+    assert got == {**want, "micro_batches": 7.0}
+    assert all(type(v) is float for v in got.values())
