@@ -156,7 +156,8 @@ for f in sorted(Path(args["model"]).glob("*.safetensors")):
     weights.update(load_file(str(f)))
 if "lm_head.weight" not in weights:  # a tied head is sent too, as the sync does
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-llm = LLM(model=args["model"], dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+llm = LLM(model=args["model"], dtype="float32", max_model_len=max(128, 16 + args["gen_tokens"]), enforce_eager=True,
+          seed=0)
 worker = llm.llm_engine.model_executor.driver_worker.worker
 packing = [0.0]
 create = ops.create_onednn_mm
@@ -189,17 +190,18 @@ n, length = 8, args["gen_tokens"]
 prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 200 for j in range(16)]} for i in range(args["gen_prompts"])]
 sampling = [SamplingParams(n=n, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True, seed=i)
             for i in range(len(prompts))]
-llm.generate(prompts[:2], sampling[:2], use_tqdm=False)  # warm
 gens = []
-for _ in range(args["repeats"]):
-    start = time.perf_counter()
-    llm.generate(prompts, sampling, use_tqdm=False)
-    gens.append(time.perf_counter() - start)
+if prompts:  # --gen-prompts 0: no generation
+    llm.generate(prompts[:2], sampling[:2], use_tqdm=False)  # warm
+    for _ in range(args["repeats"]):
+        start = time.perf_counter()
+        llm.generate(prompts, sampling, use_tqdm=False)
+        gens.append(time.perf_counter() - start)
 num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 print("RESULT " + json.dumps({"bytes": num_bytes, "reload_s": statistics.median(walls),
                               "packing_s": statistics.median(packs),
                               "direct_s": statistics.median(direct) if direct else None,
-                              "gen_tokens_per_s": len(prompts) * n * length / statistics.median(gens),
+                              "gen_tokens_per_s": len(prompts) * n * length / statistics.median(gens) if gens else None,
                               "memcpy_s": num_bytes / memcpy_gbps(num_bytes) / 1e9}))  # same threads
 """
 
@@ -276,7 +278,7 @@ def main() -> int:
                         help="vLLM's CPU linear layers (--reload-alone): oneDNN's packed weights (vLLM's "
                              "default) or plain torch.nn.functional.linear")
     parser.add_argument("--gen-prompts", type=int, default=16, help="prompts (x8 completions) of --reload-alone's "
-                                                                   "generation rate")
+                                                                   "generation rate; 0: none")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens per completion, same")
     args = parser.parse_args()
     if args.output is None:
@@ -342,7 +344,8 @@ def report_reloads(args) -> int:
         direct = "-" if r["direct_s"] is None else f"{r['direct_s']:.3f} s"
         lines.append(f"| {r['size']} | {r['bytes'] / 2**20:.0f} MiB | {r['threads']} | {r['linear']} | "
                      f"{r['reload_s']:.3f} s | {r['reload_gbps']:.2f} | {r['packing_s']:.3f} s | {direct} | "
-                     f"{r['memcpy_s']:.3f} s | {r['memcpy_s'] / fastest:.0%} | {r['gen_tokens_per_s']:.0f} |")
+                     f"{r['memcpy_s']:.3f} s | {r['memcpy_s'] / fastest:.0%} | "
+                     f"{'-' if r['gen_tokens_per_s'] is None else round(r['gen_tokens_per_s'])} |")
     print("\n".join(lines))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -92,32 +92,51 @@ class MicroBatcher:
         self.budget, self.device = budget, device
 
     def split(self, rows: torch.Tensor, attention: torch.Tensor) -> List[torch.Tensor]:
+        """The rows of each micro-batch (`plan` without what it knows of them)."""
+        return [micro.rows for micro in self.plan(rows, attention)]
+
+    def plan(self, rows: torch.Tensor, attention: torch.Tensor,
+             targets: Optional[torch.Tensor] = None) -> List["Micro"]:
         """Rows sorted by length, cut so that rows x longest row <= the budget: each micro-batch
         is trimmed to its own longest row, so rows of like length share one and little of the
         compute goes to padding. Every rank ends with the same number of micro-batches (the
         most any rank needs), because under ZeRO-3 each forward and backward is a collective.
         The order of rows within a minibatch changes no loss: each micro-batch's share of it is
-        weighted by what it holds."""
+        weighted by what it holds.
+
+        What the update needs to know of each micro-batch on the host (its longest row, its
+        first target column, its rows with targets; `targets`: [N, T-1]) is read back here, once
+        per minibatch: read per micro-batch, each would make the host wait for the device."""
+        lengths, rows_list, firsts = _host_rows(rows, attention, targets)
         if self.budget <= 0:
-            return [rows]
-        lengths = attention[rows].sum(dim=1).tolist()
-        by_length = sorted(zip(lengths, rows.tolist()))  # ties by row index: the same cut on every run
+            groups = [list(range(len(rows_list)))]
+        else:
+            groups = self._cut(sorted(range(len(rows_list)), key=lambda i: (lengths[i], rows_list[i])), lengths)
+        return [Micro(torch.tensor([rows_list[i] for i in g], device=self.device) if self.budget > 0 else rows,
+                      max((lengths[i] for i in g), default=0),
+                      min((f for f in (firsts[i] for i in g) if f is not None), default=0),
+                      sum(1 for i in g if firsts[i] is not None))
+                for g in groups]
+
+    def _cut(self, order: List[int], lengths: List[int]) -> List[List[int]]:
+        """Positions in `order` (by length; ties by row index: the same cut on every run) cut
+        within the budget, then split until every rank has as many micro-batches."""
         micros: List[List[int]] = []
         current: List[int] = []
         longest = 0
-        for length, row in by_length:
-            if current and (len(current) + 1) * max(longest, length) > self.budget:
+        for i in order:
+            if current and (len(current) + 1) * max(longest, lengths[i]) > self.budget:
                 micros.append(current)
                 current, longest = [], 0
-            current.append(row)
-            longest = max(longest, length)
+            current.append(i)
+            longest = max(longest, lengths[i])
         micros.append(current)
         target = int(global_max(len(micros), self.device))
         while len(micros) < target:  # split the largest micro-batch until every rank has as many
             i = max(range(len(micros)), key=lambda k: len(micros[k]))
             half = len(micros[i]) // 2
             micros[i:i + 1] = [micros[i][:half], micros[i][half:]]
-        return [torch.tensor(m, device=self.device) for m in micros]
+        return micros
 
     @torch.no_grad()
     def fixed_logprobs(self, model, ids, attention, targets, temperature: float, first_row: int = 0) -> torch.Tensor:
@@ -126,19 +145,41 @@ class MicroBatcher:
         token budget, not the batch. Rows before `first_row` are left at 0 (not needed), and so
         are the columns before a micro-batch's first target (`targets`: the mask of completion
         tokens; learner/logprobs.py)."""
-        return self.per_token(lambda i, a, t: token_logprobs(model, i, a, temperature, targets=t), ids, attention,
-                              first_row, targets)
+        return self.per_token(lambda i, a, t, first: token_logprobs(model, i, a, temperature, targets=t, first=first),
+                              ids, attention, first_row, targets)
 
     @torch.no_grad()
     def per_token(self, forward, ids, attention, first_row: int = 0, targets=None) -> torch.Tensor:
         """`forward(ids, attention)` -> [n, T-1] float32, run micro-batch by micro-batch (each
         trimmed to its longest row) and laid out as [N, T-1]; rows before `first_row` stay 0.
-        With `targets` [N, T-1] the forward is also given the micro-batch's share of them."""
+        With `targets` [N, T-1] the forward is also given the micro-batch's share of them and
+        its first target column."""
         out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
         if first_row >= ids.shape[0]:
             return out
-        for micro in self.split(torch.arange(first_row, ids.shape[0], device=ids.device), attention):
-            T = int(attention[micro].sum(dim=1).max())
-            share = () if targets is None else (targets[micro, :T - 1],)
-            out[micro, :T - 1] = forward(ids[micro, :T], attention[micro, :T], *share)
+        for rows, T, first, _ in self.plan(torch.arange(first_row, ids.shape[0], device=ids.device), attention,
+                                           targets):
+            share = () if targets is None else (targets[rows, :T - 1], first)
+            out[rows, :T - 1] = forward(ids[rows, :T], attention[rows, :T], *share)
         return out
+
+
+class Micro(NamedTuple):
+    """One micro-batch: its rows (on the device) and, read back once, its longest row, its
+    first target column (0 when none) and how many of its rows have targets."""
+
+    rows: torch.Tensor
+    length: int
+    first_target: int
+    rows_with_targets: int
+
+
+def _host_rows(rows: torch.Tensor, attention: torch.Tensor, targets: Optional[torch.Tensor]):
+    """Each row's length, index and first target column (None: no targets), in one read."""
+    columns = [attention[rows].sum(dim=1), rows]
+    if targets is not None:
+        t = targets[rows].bool()
+        columns.append(torch.where(t.any(dim=1), t.int().argmax(dim=1), torch.full_like(rows, -1)))
+    values = torch.stack([c.to(torch.long) for c in columns]).tolist()
+    firsts = [None if f < 0 else f for f in values[2]] if targets is not None else [None] * len(values[1])
+    return values[0], values[1], firsts

@@ -147,13 +147,14 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Optional[T
                 loss_agg: str = "seq-mean-token-mean", max_length: Optional[int] = None,
                 ratio_level: str = "token", num_tokens: Optional[float] = None,
                 is_weights: Optional[Tensor] = None,
-                ) -> Tuple[Tensor, Dict[str, float]]:
+                ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Clipped GRPO loss -(surrogate - beta*KL) over completion tokens, aggregated by loss_agg.
 
     logprobs/old_logprobs/ref_logprobs/mask: [N, T]; advantages: [N]. Returns (scalar loss,
     metrics as 0-dim tensors: reading each back here would make the host wait for the device
-    several times per micro-batch; the update reads them once per step, `host_floats`). A completion with no mask tokens adds 0 and, under
-    seq-mean-token-mean, is left out of the mean over completions (so it never gives NaN).
+    several times per micro-batch; the update reads them once per step, `host_floats`). A
+    completion with no mask tokens adds 0 and, under seq-mean-token-mean, is left out of the
+    mean over completions (so it never gives NaN).
     `num_tokens` replaces the token count that token-mean divides by: with data-parallel
     ranks, the whole batch's count divided by the number of ranks, so that averaging the
     ranks' gradients gives the mean over every token of the batch, not a mean of means.

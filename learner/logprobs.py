@@ -88,13 +88,18 @@ def entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False, targets: Optional[Tensor] = None):
+                   with_entropy: bool = False, targets: Optional[Tensor] = None, first: Optional[int] = None):
     """log pi(token_t | tokens_<t) for t = 1..T-1, shape [N, T-1]; with `with_entropy`, also the
     policy's entropy at those positions (no gradient), as a pair. `targets` [N, T-1]: the
     positions whose values are used (the completion tokens); when given, the columns before the
     first of them are 0 and the model computes no logits for them (Hugging Face's
-    `logits_to_keep`, for models whose forward takes it)."""
-    first = first_target(targets) if targets is not None and keeps_logits(model) else 0
+    `logits_to_keep`, for models whose forward takes it). `first`: that first column, when the
+    caller knows it already (learner/batching.py's plan: `first_target` reads it back from the
+    device)."""
+    if targets is None or not keeps_logits(model):
+        first = 0
+    elif first is None:
+        first = first_target(targets)
     keep = {"logits_to_keep": input_ids.shape[1] - first} if first else {}
     # Logits of positions first..T-1; the last is dropped: it predicts no token of this row.
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **keep).logits[:, :-1]

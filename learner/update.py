@@ -93,7 +93,7 @@ class GroupUpdate:
         """Every optimizer step of this step; returns the mean of the minibatches' metrics."""
         with torch.no_grad():
             fixed = self.fix(policy, reference, batch, temperature)
-        step_metrics: List[Dict[str, float]] = []
+        step_metrics: List[Dict[str, object]] = []  # 0-dim tensors and floats until host_floats
         for iteration in range(self.algo.num_iterations):
             for k, mb in enumerate(self.minibatch_rows(len(batch), batch.ids.device)):
                 own_old = fixed.old_logprobs is None or (fixed.first_minibatch_own and iteration == 0 and k == 0)
@@ -112,40 +112,41 @@ class GroupUpdate:
         return list(torch.arange(n, device=device).chunk(self.minibatches))
 
     def policy_step(self, policy, mb, batch: Rollouts, fixed: Fixed, temperature: float,
-                    own_old: bool) -> Dict[str, float]:
+                    own_old: bool) -> Dict[str, object]:
         """One optimizer step of the policy on minibatch `mb` (row indices), in micro-batches;
         `own_old`: pi_old is the policy's own log-probs, detached (no step taken yet)."""
-        micros = self.micro.split(mb, batch.attention)
+        micros = self.micro.plan(mb, batch.attention, batch.mask)
         num_tokens = None
         if self.algo.loss_agg == "token-mean":  # the batch's tokens, over every rank
             num_tokens = global_sum(batch.mask[mb].sum()) / self.world_size
-        weights = self._micro_weights(micros, batch.mask, exact=num_tokens is not None)
+        weights = self._micro_weights(micros, exact=num_tokens is not None)
         metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
-        for j, (micro, T) in enumerate(accumulating(policy, micros, batch)):
-            loss, micro_metrics = self._micro_loss(policy, micro, T, batch, fixed, temperature, num_tokens, own_old)
+        for j, (micro, T, first) in enumerate(accumulating(policy, micros, batch)):
+            loss, micro_metrics = self._micro_loss(policy, micro, T, first, batch, fixed, temperature, num_tokens,
+                                                   own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
             _accumulate(metrics, micro_metrics, weights[j], len(micros))
         policy.step()
         metrics["micro_batches"] = float(len(micros))
         return metrics
 
-    def _micro_weights(self, micros, mask, exact: bool) -> List[float]:
+    def _micro_weights(self, micros, exact: bool) -> List[float]:
         """Each micro-batch's loss is weighted so that their sum is the minibatch's loss."""
         if exact or len(micros) == 1:  # token-mean divides by the global count already
             return [1.0] * len(micros)
         if self.algo.loss_agg == "seq-mean-token-mean":
-            rows = [float(mask[m].any(dim=1).sum()) for m in micros]
+            rows = [float(m.rows_with_targets) for m in micros]
         else:
-            rows = [float(len(m)) for m in micros]
+            rows = [float(len(m.rows)) for m in micros]
         total = max(sum(rows), 1.0)
         return [r / total for r in rows]
 
-    def _micro_loss(self, policy, micro, T: int, batch: Rollouts, fixed: Fixed, temperature: float, num_tokens,
-                    own_old: bool):
+    def _micro_loss(self, policy, micro, T: int, first: int, batch: Rollouts, fixed: Fixed, temperature: float,
+                    num_tokens, own_old: bool):
         algo = self.algo
         mask = batch.mask[micro, :T - 1]
         logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
-                                           with_entropy=True, targets=mask)
+                                           with_entropy=True, targets=mask, first=first)
         if own_old and fixed.old_logprobs is not None:  # this minibatch's pi_old, for metrics and later passes
             fixed.old_logprobs[micro, :T - 1] = logprobs.detach()
             if fixed.is_weights is not None:
@@ -169,28 +170,30 @@ class GroupUpdate:
 def host_floats(metrics: Dict[str, object]) -> Dict[str, float]:
     """The step's metrics as python floats: those still tensors on the device are read back
     together, one wait for the device per step instead of several per micro-batch."""
-    on_device = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    values = torch.stack([metrics[k].double() for k in on_device]).tolist() if on_device else []
-    return {**{k: float(v) for k, v in metrics.items()}, **dict(zip(on_device, values))}
+    on_device = [v.double() for v in metrics.values() if isinstance(v, torch.Tensor)]
+    values = iter(torch.stack(on_device).tolist() if on_device else [])
+    return {k: next(values) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
 
 
 def accumulating(engine, micros: list, batch: Rollouts):
-    """(micro-batch, its length T) for each micro-batch of one optimizer step of `engine`; with
-    several, their gradients accumulate (reduced and stepped after the last) and each is
-    trimmed to the padding it needs."""
+    """(rows, length T, first target column) for each micro-batch (`MicroBatcher.plan`) of one
+    optimizer step of `engine`; with several, their gradients accumulate (reduced and stepped
+    after the last) and each is trimmed to the padding it needs."""
     for j, micro in enumerate(micros):
         T = batch.ids.shape[1]
         if len(micros) > 1:
             engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
-            T = int(batch.attention[micro].sum(dim=1).max())
-        yield micro, T
+            T = micro.length
+        yield micro.rows, T, micro.first_target
 
 
 def _accumulate(total: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor], weight: float,
                 num_micros: int) -> None:
     """A micro-batch's metrics (0-dim tensors) into the minibatch's, on the device: the loss by
     its weight, the largest ratio as a max, every other metric as a plain mean over the
-    micro-batches. In float64, the arithmetic python floats did when they were read each time."""
+    micro-batches. In float64, the arithmetic python floats did when they were read each time
+    (except that a NaN ratio now reaches the max, as it reaches the loss, instead of being
+    dropped by python's max)."""
     for key, value in metrics.items():
         value = value.double()
         if key == "ratio_max":
@@ -232,10 +235,10 @@ class CriticUpdate(GroupUpdate):
         """The value model's step on the same minibatch, in the policy's micro-batches: the
         loss is a token mean over the minibatch, so each micro-batch's mean is weighted by its
         share of the minibatch's tokens (and so are the metrics, which are means too)."""
-        micros = self.micro.split(mb, batch.attention)
+        micros = self.micro.plan(mb, batch.attention)
         tokens = float(batch.mask[mb].sum().clamp(min=1))
         metrics: Dict[str, float] = {}
-        for micro, T in accumulating(self.critic, micros, batch):
+        for micro, T, _ in accumulating(self.critic, micros, batch):
             mask = batch.mask[micro, :T - 1]
             share = float(mask.sum()) / tokens
             values = self.values(batch.ids[micro, :T], batch.attention[micro, :T], grad=True)

@@ -39,6 +39,31 @@ def test_a_subset_of_rows_keeps_its_own_indices_and_no_budget_keeps_one(world_of
     assert [m.tolist() for m in MicroBatcher(0, "cpu").split(rows, _attention(lengths))] == [[6, 5, 2]]
 
 
+@pytest.mark.parametrize("budget", [0, 20, 40])
+def test_what_the_plan_reads_back_once_is_what_each_micro_batch_would_read_itself(world_of_one, budget):
+    """The plan's longest row, first target column and rows with targets, read back once per
+    minibatch, equal what the update used to read from the device for each micro-batch (its
+    attention's longest row, `first_target` of its trimmed targets, its rows that target any)."""
+    from learner.logprobs import first_target
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [int(x) for x in torch.randint(4, 12, (10,), generator=gen)]
+    attention = _attention(lengths)
+    targets = torch.zeros(10, attention.shape[1] - 1, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        start = int(torch.randint(2, length - 1, (1,), generator=gen))  # a prompt of 2 or more tokens
+        targets[row, start - 1:length - 1] = row % 4 != 3  # every fourth row trains on nothing
+    rows = torch.tensor([9, 0, 3, 4, 7, 2, 8])
+    micros = MicroBatcher(budget, "cpu").plan(rows, attention, targets)
+    assert sorted(r for m in micros for r in m.rows.tolist()) == sorted(rows.tolist())
+    for m in micros:
+        T = int(attention[m.rows].sum(dim=1).max())
+        assert m.length == T
+        assert m.first_target == first_target(targets[m.rows, :T - 1])
+        assert m.rows_with_targets == int(targets[m.rows].any(dim=1).sum())
+    assert any(m.first_target > 0 for m in micros)
+
+
 def test_metrics_kept_on_the_device_sum_exactly_as_floats_read_each_time_did():
     """The update accumulates each micro-batch's metrics as float32 tensors and reads them once
     per step; the result must be what reading each as a python float (float64 arithmetic) and
