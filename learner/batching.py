@@ -107,7 +107,7 @@ class MicroBatcher:
         What the update needs to know of each micro-batch on the host (its longest row, its
         first target column, its rows with targets; `targets`: [N, T-1]) is read back here, once
         per minibatch: read per micro-batch, each would make the host wait for the device."""
-        lengths, rows_list, firsts = _host_rows(rows, attention, targets)
+        lengths, rows_list, firsts, counts = _host_rows(rows, attention, targets)
         if self.budget <= 0:
             groups = [list(range(len(rows_list)))]
         else:
@@ -115,7 +115,8 @@ class MicroBatcher:
         return [Micro(torch.tensor([rows_list[i] for i in g], device=self.device) if self.budget > 0 else rows,
                       max((lengths[i] for i in g), default=0),
                       min((f for f in (firsts[i] for i in g) if f is not None), default=0),
-                      sum(1 for i in g if firsts[i] is not None))
+                      sum(1 for i in g if firsts[i] is not None),
+                      sum(counts[i] for i in g))
                 for g in groups]
 
     def _cut(self, order: List[int], lengths: List[int]) -> List[List[int]]:
@@ -157,29 +158,32 @@ class MicroBatcher:
         out = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
         if first_row >= ids.shape[0]:
             return out
-        for rows, T, first, _ in self.plan(torch.arange(first_row, ids.shape[0], device=ids.device), attention,
-                                           targets):
-            share = () if targets is None else (targets[rows, :T - 1], first)
+        for micro in self.plan(torch.arange(first_row, ids.shape[0], device=ids.device), attention, targets):
+            rows, T = micro.rows, micro.length
+            share = () if targets is None else (targets[rows, :T - 1], micro.first_target)
             out[rows, :T - 1] = forward(ids[rows, :T], attention[rows, :T], *share)
         return out
 
 
 class Micro(NamedTuple):
     """One micro-batch: its rows (on the device) and, read back once, its longest row, its
-    first target column (0 when none) and how many of its rows have targets."""
+    first target column (0 when none), how many of its rows have targets and how many targets."""
 
     rows: torch.Tensor
     length: int
     first_target: int
     rows_with_targets: int
+    target_tokens: int
 
 
 def _host_rows(rows: torch.Tensor, attention: torch.Tensor, targets: Optional[torch.Tensor]):
-    """Each row's length, index and first target column (None: no targets), in one read."""
+    """Each row's length, index, first target column (None: no targets) and number of targets,
+    in one read."""
     columns = [attention[rows].sum(dim=1), rows]
     if targets is not None:
         t = targets[rows].bool()
-        columns.append(torch.where(t.any(dim=1), t.int().argmax(dim=1), torch.full_like(rows, -1)))
+        columns += [torch.where(t.any(dim=1), t.int().argmax(dim=1), torch.full_like(rows, -1)), t.sum(dim=1)]
     values = torch.stack([c.to(torch.long) for c in columns]).tolist()
-    firsts = [None if f < 0 else f for f in values[2]] if targets is not None else [None] * len(values[1])
-    return values[0], values[1], firsts
+    if targets is None:
+        return values[0], values[1], [None] * len(values[1]), [0] * len(values[1])
+    return values[0], values[1], [None if f < 0 else f for f in values[2]], values[3]

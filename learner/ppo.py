@@ -57,8 +57,9 @@ def whiten(advantages: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: float = 0.2) -> Tuple[Tensor, Dict[str, float]]:
-    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old +- clip, token mean."""
+               clip: float = 0.2) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old +- clip, token mean.
+    Metrics as 0-dim tensors, read back once per step by the update (like `grpo.policy_loss`'s)."""
     mask = mask.bool()
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_err = (values - returns) ** 2
@@ -66,8 +67,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     loss = 0.5 * masked_mean(torch.max(unclipped_err, clipped_err), mask)
     with torch.no_grad():
         metrics = {
-            "value_loss": loss.item(),
-            "value_clip_fraction": masked_mean((clipped_err > unclipped_err).to(values.dtype), mask).item(),
-            "value_mean": masked_mean(values, mask).item(),
+            "value_loss": loss.detach(),
+            "value_clip_fraction": masked_mean((clipped_err > unclipped_err).to(values.dtype), mask),
+            "value_mean": masked_mean(values, mask),
         }
     return loss, metrics

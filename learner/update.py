@@ -235,20 +235,20 @@ class CriticUpdate(GroupUpdate):
         """The value model's step on the same minibatch, in the policy's micro-batches: the
         loss is a token mean over the minibatch, so each micro-batch's mean is weighted by its
         share of the minibatch's tokens (and so are the metrics, which are means too)."""
-        micros = self.micro.plan(mb, batch.attention)
-        tokens = float(batch.mask[mb].sum().clamp(min=1))
-        metrics: Dict[str, float] = {}
-        for micro, T, _ in accumulating(self.critic, micros, batch):
+        micros = self.micro.plan(mb, batch.attention, batch.mask)
+        tokens = float(max(sum(m.target_tokens for m in micros), 1))
+        metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
+        for (micro, T, _), planned in zip(accumulating(self.critic, micros, batch), micros):
             mask = batch.mask[micro, :T - 1]
-            share = float(mask.sum()) / tokens
+            share = planned.target_tokens / tokens
             values = self.values(batch.ids[micro, :T], batch.attention[micro, :T], grad=True)
             loss, micro_metrics = ppo.value_loss(values, fixed.extra["old_values"][micro, :T - 1],
                                                  fixed.extra["returns"][micro, :T - 1], mask, self.algo.value_clip)
             self.critic.backward(loss * share if share != 1.0 else loss)
             for key, value in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + share * value
+                metrics[key] = metrics.get(key, 0.0) + share * value.double()
         self.critic.step()
-        metrics["kl"] = float(grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]))
+        metrics["kl"] = grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]).double()  # summed over minibatches
         return metrics
 
 

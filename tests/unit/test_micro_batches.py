@@ -61,6 +61,7 @@ def test_what_the_plan_reads_back_once_is_what_each_micro_batch_would_read_itsel
         assert m.length == T
         assert m.first_target == first_target(targets[m.rows, :T - 1])
         assert m.rows_with_targets == int(targets[m.rows].any(dim=1).sum())
+        assert m.target_tokens == int(targets[m.rows, :T - 1].sum())
     assert any(m.first_target > 0 for m in micros)
 
 
