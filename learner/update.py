@@ -121,9 +121,9 @@ class GroupUpdate:
             num_tokens = global_sum(batch.mask[mb].sum()) / self.world_size
         weights = self._micro_weights(micros, exact=num_tokens is not None)
         metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
-        for j, (micro, T, first) in enumerate(accumulating(policy, micros, batch)):
-            loss, micro_metrics = self._micro_loss(policy, micro, T, first, batch, fixed, temperature, num_tokens,
-                                                   own_old)
+        for j, (micro, T) in enumerate(accumulating(policy, micros, batch)):
+            loss, micro_metrics = self._micro_loss(policy, micro.rows, T, micro.first_target, batch, fixed,
+                                                   temperature, num_tokens, own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
             _accumulate(metrics, micro_metrics, weights[j], len(micros))
         policy.step()
@@ -176,15 +176,15 @@ def host_floats(metrics: Dict[str, object]) -> Dict[str, float]:
 
 
 def accumulating(engine, micros: list, batch: Rollouts):
-    """(rows, length T, first target column) for each micro-batch (`MicroBatcher.plan`) of one
-    optimizer step of `engine`; with several, their gradients accumulate (reduced and stepped
-    after the last) and each is trimmed to the padding it needs."""
+    """(micro-batch, its length T) for each micro-batch (`MicroBatcher.plan`) of one optimizer
+    step of `engine`; with several, their gradients accumulate (reduced and stepped after the
+    last) and each is trimmed to the padding it needs."""
     for j, micro in enumerate(micros):
         T = batch.ids.shape[1]
         if len(micros) > 1:
             engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
             T = micro.length
-        yield micro.rows, T, micro.first_target
+        yield micro, T
 
 
 def _accumulate(total: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor], weight: float,
@@ -238,12 +238,13 @@ class CriticUpdate(GroupUpdate):
         micros = self.micro.plan(mb, batch.attention, batch.mask)
         tokens = float(max(sum(m.target_tokens for m in micros), 1))
         metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
-        for (micro, T, _), planned in zip(accumulating(self.critic, micros, batch), micros):
-            mask = batch.mask[micro, :T - 1]
-            share = planned.target_tokens / tokens
-            values = self.values(batch.ids[micro, :T], batch.attention[micro, :T], grad=True)
-            loss, micro_metrics = ppo.value_loss(values, fixed.extra["old_values"][micro, :T - 1],
-                                                 fixed.extra["returns"][micro, :T - 1], mask, self.algo.value_clip)
+        for micro, T in accumulating(self.critic, micros, batch):
+            rows = micro.rows
+            share = micro.target_tokens / tokens
+            values = self.values(batch.ids[rows, :T], batch.attention[rows, :T], grad=True)
+            loss, micro_metrics = ppo.value_loss(values, fixed.extra["old_values"][rows, :T - 1],
+                                                 fixed.extra["returns"][rows, :T - 1], batch.mask[rows, :T - 1],
+                                                 self.algo.value_clip)
             self.critic.backward(loss * share if share != 1.0 else loss)
             for key, value in micro_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + share * value.double()
