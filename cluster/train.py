@@ -11,17 +11,20 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
-from cluster.run import Run
 from common import heap
 from common.config import Config
+
+if TYPE_CHECKING:  # imported where a run starts: a bad config answers before Ray is imported
+    from cluster.run import Run
 
 
 def train(cfg: Config) -> Dict[str, object]:
     """The whole job: warm-up, GRPO steps, held-out accuracy before and after. Returns the summary."""
     from cluster.phases import find_resume_point
+    from cluster.run import Run
     from rollout.datasets import load_problems
 
     run = Run(cfg)

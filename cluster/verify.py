@@ -112,11 +112,7 @@ def _summary_table(stats: Dict[str, float], names: Sequence[str], seconds: float
 def verify(verifiers: Sequence[str], input_path: str, output_path: str,
            overrides: Sequence[str] = ()) -> Dict[str, float]:
     """Score `input_path` into `output_path`; prints the per-verifier summary, returns the stats."""
-    import ray
-
     from cluster.compose import load_config
-    from common.ray_utils import init_ray
-    from reward.pool import VerifierPool
 
     names = list(dict.fromkeys(v.strip() for v in verifiers if v.strip()))
     if not names:
@@ -130,6 +126,11 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
     out_dir = os.path.dirname(os.path.abspath(output_path))
     if not os.path.isdir(out_dir):
         raise VerifyInputError(f"--output: no such folder '{out_dir}'")
+    import ray  # only now: bad input answers before Ray is imported
+
+    from common.ray_utils import init_ray
+    from reward.pool import VerifierPool
+
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:
         pool = VerifierPool(cfg.reward)

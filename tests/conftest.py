@@ -1,14 +1,27 @@
-"""Shared, expensive fixtures: one Ray, one tiny model, one set of actors for the whole session.
+"""Shared, expensive fixtures: one Ray and one tiny model per session, one set of actors for
+the tests that use them.
 
 vLLM engines take ~20 s each to start on 2 cores, so integration tests share them.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from helpers import small_overrides
 
 TIERS = ("unit", "integration", "e2e")
+
+# `make test` runs two workers, each starting engines and learner ranks that plan their threads
+# for the whole machine, so the suite keeps more OpenMP threads busy than there are cores.
+# OpenMP's default has a thread that finished its share spin for a while before it sleeps: with
+# the cores oversubscribed that spinning takes them from the other worker's processes. PASSIVE
+# makes waiting threads sleep at once. It changes no result, only who waits how: two small runs
+# at once (`grpo train`, 1 engine, 2 ranks, 4 steps each) took 103-107 CPU-s and 56-59 s with
+# it against 115-120 CPU-s and 64-66 s without (bench/results/suite_20261202_morning.md). Set
+# before anything loads OpenMP; every process the suite starts inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -77,15 +90,57 @@ def initial_checkpoint(tmp_path_factory):
     return str(tmp_path_factory.mktemp("initial_policy"))
 
 
-@pytest.fixture(scope="session")
-def roles(ray_session, system_cfg, initial_checkpoint):
-    from cluster.roles import start_roles
+class SessionRoles:
+    """The session's roles, started when a test first asks for them and shut down as soon as
+    the next test this worker runs does not use them (pytest_runtest_teardown below), not at
+    the session's end: idle, two engines, two learner ranks and two verifiers still use about
+    a sixth of a core (gloo's transport threads wake every 10 ms, each Ray worker polls),
+    measured at 5 CPU-s per 30 s, for the rest of the suite. Under `make test` their tests run
+    as one block (SHARES_ROLES), so they start once; a run that interleaves other modules
+    between them starts them again."""
 
-    roles = start_roles(system_cfg)
-    roles.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model
-    roles.learner.save_checkpoint(initial_checkpoint)
-    yield roles
-    roles.shutdown()
+    def __init__(self, cfg, checkpoint: str):
+        self.cfg, self.checkpoint, self.current = cfg, checkpoint, None
+
+    def get(self):
+        if self.current is None:
+            from cluster.roles import start_roles
+
+            self.current = start_roles(self.cfg)
+            self.current.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model
+            self.current.learner.save_checkpoint(self.checkpoint)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current, roles = None, self.current
+            roles.shutdown()
+
+
+_SESSION_ROLES: list = []  # the one SessionRoles once `session_roles` has run
+
+
+@pytest.fixture(scope="session")
+def session_roles(ray_session, system_cfg, initial_checkpoint):
+    holder = SessionRoles(system_cfg, initial_checkpoint)
+    _SESSION_ROLES.append(holder)
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def roles(session_roles):
+    return session_roles.get()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's own fixtures are torn down: shut the session's roles down when the next
+    test does not use them (see SessionRoles)."""
+    result = yield
+    if _SESSION_ROLES and (nextitem is None or "roles" not in nextitem.fixturenames):
+        _SESSION_ROLES[0].close()
+    return result
 
 
 @pytest.fixture
@@ -106,3 +161,14 @@ def learners(ray_session):
     pool = LearnerPool()
     yield pool
     pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fresh_engines(ray_session):
+    """Engines built from saved weights for comparisons, rebuilt in one process per module
+    (tests/reference_engine.py)."""
+    from reference_engine import ReferenceEngines
+
+    engines = ReferenceEngines()
+    yield engines
+    engines.shutdown()

@@ -43,6 +43,19 @@ def test_bad_config_exits_2_with_one_line(override, names, tmp_path):
     assert not any(tmp_path.iterdir()), "a bad config must fail before anything is produced"
 
 
+def test_bad_input_answers_before_ray_or_torch_is_imported(tmp_path):
+    """A typo costs the interpreter and the config (~0.4 CPU-s), not Ray's import (~0.4 more) or
+    torch's (seconds): `grpo train` and `grpo verify` check their input first."""
+    code = ("import sys; from cluster.cli import main; status = main(sys.argv[1:]); "
+            "print(status, [m for m in ('ray', 'torch') if m in sys.modules])")
+    for args in (["train", "trainer.max_step=3"],
+                 ["verify", "--verifiers", "math", "--input", str(tmp_path / "none.jsonl"),
+                  "--output", str(tmp_path / "out.jsonl")]):
+        result = run(sys.executable, "-c", code, *args)
+        assert result.stdout.strip() == "2 []", (args, result.stdout, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.mark.parametrize("case", ["empty dataset", "longer than the model"])
 def test_data_and_model_limits_exit_2_before_any_actor(case, tmp_path, model_cache):
     out = tmp_path / "runs"

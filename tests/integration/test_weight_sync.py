@@ -14,7 +14,6 @@ import ray
 from cluster.sync_channel import WeightSyncChannel, WeightSyncError
 from helpers import engine_state, warmed_learner
 from rollout.pool import RolloutPool
-from rollout.worker import GenerationWorker
 
 
 def _cfg(system_cfg, tied: bool):
@@ -47,8 +46,8 @@ def model_and_workers(request, roles, system_cfg):
 
 
 @pytest.mark.parametrize("zero_stage,transport", [(2, "broadcast"), (3, "shm")])
-def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, learners, zero_stage, transport,
-                                                               tmp_path):
+def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_workers, learners, fresh_engines,
+                                                               zero_stage, transport, tmp_path):
     cfg, pool = model_and_workers
     with warmed_learner(learners, cfg, zero_stage) as learner:
         # Small buckets: several broadcasts (or shared-file buckets), and under ZeRO-3 several gathers.
@@ -62,16 +61,12 @@ def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_worker
         channel.push(8)  # later pushes reuse the mappings, with the file's name gone
         assert pool.versions() == [8, 8]
         folder = learner.save_pretrained(str(tmp_path / "saved"))
-    fresh = ray.remote(num_cpus=0.5)(GenerationWorker).remote(folder, cfg.rollout, 123)
-    try:
-        expected = engine_state(fresh)
-        for worker in pool.workers:
-            got = engine_state(worker)
-            assert got[0] == expected[0], "greedy outputs differ from a fresh engine's"
-            assert got[1] == expected[1], "prompt log-probs differ from a fresh engine's"
-            assert got[2] == expected[2], "parameters differ from a fresh engine's"
-    finally:
-        ray.kill(fresh)
+    expected = engine_state(fresh_engines.engine(folder, cfg.rollout, 123))
+    for worker in pool.workers:
+        got = engine_state(worker)
+        assert got[0] == expected[0], "greedy outputs differ from a fresh engine's"
+        assert got[1] == expected[1], "prompt log-probs differ from a fresh engine's"
+        assert got[2] == expected[2], "parameters differ from a fresh engine's"
     model_mb = metrics["sync_bytes"] / 2**20
     if zero_stage == 3:
         # Gathered one bucket at a time: never the whole model at once (let alone two copies).
