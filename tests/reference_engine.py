@@ -11,7 +11,6 @@ different from an engine started from the saved files still fails the comparison
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -30,8 +29,7 @@ class RebuiltEngine(GenerationWorker):
         # thread of the old pipe ends once nothing writes to it).
         os.dup2(self._stderr._real, 2)
         self.__dict__.clear()
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        cleanup_dist_env_and_memory()  # unfreezes the heap the last start froze and collects it
         GenerationWorker.__init__(self, model_path, rollout_cfg, seed)
 
 
