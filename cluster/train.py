@@ -17,26 +17,29 @@ from cluster.preflight import check_inputs, check_local_resources, prepare_promp
 from common import heap
 from common.config import Config
 
-if TYPE_CHECKING:  # imported where a run starts: a bad config answers before Ray is imported
+if TYPE_CHECKING:  # imported once the inputs are checked (train): bad input answers before Ray is imported
     from cluster.run import Run
 
 
 def train(cfg: Config) -> Dict[str, object]:
     """The whole job: warm-up, GRPO steps, held-out accuracy before and after. Returns the summary."""
-    from cluster.phases import find_resume_point
-    from cluster.run import Run
     from rollout.datasets import load_problems
 
-    run = Run(cfg)
+    started = time.time()
     # The imports (torch, transformers) trigger full collections that walk the whole heap again
     # and again (common/heap.py).
     with heap.without_full_collections():
         heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
         check_inputs(cfg, train_set)
+        cfg.model.path = resolve_model(cfg)  # a missing model folder answers before Ray's import
         check_local_resources(cfg)
-        cfg.model.path = resolve_model(cfg)
         heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
+        # Ray's import only now: bad input of any kind answers without it.
+        from cluster.phases import find_resume_point
+        from cluster.run import Run
+
         resume_from = find_resume_point(cfg)
+    run = Run(cfg, started=started)
     try:
         run.start(prompts)
         first_step = begin(run, train_set, heldout, prompts, resume_from)

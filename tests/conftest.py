@@ -7,12 +7,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
-from helpers import small_overrides
-
-TIERS = ("unit", "integration", "e2e")
-
 # `make test` runs two workers, each starting engines and learner ranks that plan their threads
 # for the whole machine, so the suite keeps more OpenMP threads busy than there are cores.
 # OpenMP's default has a thread that finished its share spin for a while before it sleeps: with
@@ -22,6 +16,12 @@ TIERS = ("unit", "integration", "e2e")
 # it against 115-120 CPU-s and 64-66 s without (bench/results/suite_20261202_morning.md). Set
 # before anything loads OpenMP; every process the suite starts inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402  (after the variable: helpers imports Ray)
+
+from helpers import small_overrides  # noqa: E402
+
+TIERS = ("unit", "integration", "e2e")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -93,22 +93,33 @@ def initial_checkpoint(tmp_path_factory):
 class SessionRoles:
     """The session's roles, started when a test first asks for them and shut down as soon as
     the next test this worker runs does not use them (pytest_runtest_teardown below), not at
-    the session's end: idle, two engines, two learner ranks and two verifiers still use about
-    a sixth of a core (gloo's transport threads wake every 10 ms, each Ray worker polls),
-    measured at 5 CPU-s per 30 s, for the rest of the suite. Under `make test` their tests run
+    the session's end: idle, two engines, two learner ranks and two verifiers still use about a
+    ninth of a core (3.3 CPU-s per 30 s, measured; an engine's gloo transport threads wake every
+    10 ms, each Ray worker polls) for the rest of the suite. Under `make test` their tests run
     as one block (SHARES_ROLES), so they start once; a run that interleaves other modules
-    between them starts them again."""
+    between them starts them again. A start that failed is not tried again: every later test
+    that asks gets its error."""
 
     def __init__(self, cfg, checkpoint: str):
-        self.cfg, self.checkpoint, self.current = cfg, checkpoint, None
+        self.cfg, self.checkpoint, self.current, self.error = cfg, checkpoint, None, None
 
     def get(self):
+        if self.error is not None:
+            raise RuntimeError("the session's roles failed to start (see the first test that asked)") from self.error
         if self.current is None:
             from cluster.roles import start_roles
 
-            self.current = start_roles(self.cfg)
-            self.current.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model
-            self.current.learner.save_checkpoint(self.checkpoint)
+            roles = None
+            try:
+                roles = start_roles(self.cfg)
+                roles.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model
+                roles.learner.save_checkpoint(self.checkpoint)
+            except BaseException as error:
+                self.error = error
+                if roles is not None:
+                    roles.shutdown()
+                raise
+            self.current = roles
         return self.current
 
     def close(self) -> None:
@@ -137,10 +148,11 @@ def roles(session_roles):
 def pytest_runtest_teardown(item, nextitem):
     """After a test's own fixtures are torn down: shut the session's roles down when the next
     test does not use them (see SessionRoles)."""
-    result = yield
-    if _SESSION_ROLES and (nextitem is None or "roles" not in nextitem.fixturenames):
-        _SESSION_ROLES[0].close()
-    return result
+    try:
+        return (yield)
+    finally:
+        if _SESSION_ROLES and (nextitem is None or "roles" not in nextitem.fixturenames):
+            _SESSION_ROLES[0].close()
 
 
 @pytest.fixture

@@ -1,13 +1,14 @@
 """Fresh vLLM engines to compare synced workers with, for modules that need several.
 
-An engine's process spends ~10 CPU-s importing vLLM, torch and transformers before its `LLM(...)`
-takes ~1 (measured: a second engine built in the same process cost 1.1 CPU-s against 9.5 for the
-first), and tests/integration/test_weight_sync.py compares four pushes with four fresh engines.
+Most of an engine's start is its process importing vLLM, torch and transformers (measured in
+one process: the first engine for the built-in model cost 9.5 CPU-s, a second one 1.1), and
+tests/integration/test_weight_sync.py compares four pushes with four fresh engines.
 `ReferenceEngines` starts one actor per module and builds each engine in it from the saved
 folder: a new `LLM` that reads the weights from disk, after vLLM's own clean-up of the last one
-(`cleanup_dist_env_and_memory`, what vLLM's tests run between engines in one process). Nothing
-the last engine loaded carries over, only the imported code, so a push that left a worker
-different from an engine started from the saved files still fails the comparison.
+(`cleanup_dist_env_and_memory`, what vLLM's tests run between engines in one process). What
+carries over is process state (imported code, compile caches, thread settings, environment),
+not weights: each case saves other weights, so an engine that kept the last one's would fail
+the comparison rather than pass it.
 """
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ class ReferenceEngines:
 
     def engine(self, model_path: str, rollout_cfg, seed: int):
         """An engine freshly built from `model_path` (the actor; valid until the next call)."""
-        if self.actor is None:
-            self.actor = ray.remote(num_cpus=0.5)(RebuiltEngine).remote(model_path, rollout_cfg, seed)
-            return self.actor
         try:
-            ray.get(self.actor.rebuild.remote(model_path, rollout_cfg, seed))
+            if self.actor is None:
+                self.actor = ray.remote(num_cpus=0.5)(RebuiltEngine).remote(model_path, rollout_cfg, seed)
+                ray.get(self.actor.__ray_ready__.remote())
+            else:
+                ray.get(self.actor.rebuild.remote(model_path, rollout_cfg, seed))
         except BaseException:
             self.shutdown()  # half rebuilt: not used again
             raise

@@ -48,7 +48,8 @@ def test_bad_input_answers_before_ray_or_torch_is_imported(tmp_path):
     torch's (seconds): `grpo train` and `grpo verify` check their input first."""
     code = ("import sys; from cluster.cli import main; status = main(sys.argv[1:]); "
             "print(status, [m for m in ('ray', 'torch') if m in sys.modules])")
-    for args in (["train", "trainer.max_step=3"],
+    out = f"trainer.output_dir={tmp_path}"
+    for args in (["train", "trainer.max_step=3", out], ["train", "model.path=/no/such/model", out],
                  ["verify", "--verifiers", "math", "--input", str(tmp_path / "none.jsonl"),
                   "--output", str(tmp_path / "out.jsonl")]):
         result = run(sys.executable, "-c", code, *args)
