@@ -1,7 +1,8 @@
 """Fresh vLLM engines to compare synced workers with, for modules that need several.
 
 Most of an engine's start is its process importing vLLM, torch and transformers (measured in
-one process: the first engine for the built-in model cost 9.5 CPU-s, a second one 1.1), and
+one process: the first engine for the built-in model cost 5.1-9.5 CPU-s, a second one 1.0-1.1;
+bench/idle_costs.py rebuild), and
 tests/integration/test_weight_sync.py compares four pushes with four fresh engines.
 `ReferenceEngines` starts one actor per module and builds each engine in it from the saved
 folder: a new `LLM` that reads the weights from disk, after vLLM's own clean-up of the last one
