@@ -287,10 +287,11 @@ def main() -> int:
         return report_reloads(args)
     import ray
 
-    from cluster.preflight import ACTOR_ENV
+    from cluster.preflight import actor_env
+    from common.config import RayConfig
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": ACTOR_ENV})
+             runtime_env={"env_vars": actor_env(RayConfig())})
     rows = []
     for size in args.sizes:
         rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb, args.transport))

@@ -29,14 +29,23 @@ class StderrTail:
         threading.Thread(target=self._pump, args=(read_end,), daemon=True, name="stderr-tail").start()
 
     def _pump(self, read_end: int) -> None:
-        while True:
-            chunk = os.read(read_end, 65536)
-            if not chunk:
-                return
-            os.write(self._real, chunk)
-            with self._lock:
-                self._tail += chunk
-                del self._tail[:-TAIL_BYTES]
+        try:
+            while True:
+                chunk = os.read(read_end, 65536)
+                if not chunk:  # every writer closed it (close(), and any child that inherited it)
+                    return
+                os.write(self._real, chunk)
+                with self._lock:
+                    self._tail += chunk
+                    del self._tail[:-TAIL_BYTES]
+        finally:
+            os.close(read_end)
+            os.close(self._real)
+
+    def close(self) -> None:
+        """Point file descriptor 2 back at the real stderr. The pipe loses its writer, so the
+        thread copies what is left and closes both of its descriptors."""
+        os.dup2(self._real, 2)
 
     def text(self) -> str:
         with self._lock:

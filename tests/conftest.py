@@ -74,12 +74,13 @@ def system_cfg(model_cache, tmp_path_factory):
 def ray_session():
     import ray
 
-    from cluster.preflight import ACTOR_ENV
+    from cluster.preflight import actor_env
+    from common.config import RayConfig
     from common.ray_utils import start_local_ray
 
     # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
     # A local Ray: each xdist worker starts one of its own instead of joining the other's.
-    start_local_ray(num_cpus=8, env_vars=ACTOR_ENV)
+    start_local_ray(num_cpus=8, env_vars=actor_env(RayConfig()))
     yield ray
     ray.shutdown()
 
@@ -128,13 +129,13 @@ class SessionRoles:
             roles.shutdown()
 
 
-_SESSION_ROLES: list = []  # the one SessionRoles once `session_roles` has run
+_session_roles: SessionRoles | None = None  # set by `session_roles`, for the teardown hook
 
 
 @pytest.fixture(scope="session")
 def session_roles(ray_session, system_cfg, initial_checkpoint):
-    holder = SessionRoles(system_cfg, initial_checkpoint)
-    _SESSION_ROLES.append(holder)
+    global _session_roles
+    holder = _session_roles = SessionRoles(system_cfg, initial_checkpoint)
     yield holder
     holder.close()
 
@@ -151,8 +152,8 @@ def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)
     finally:
-        if _SESSION_ROLES and (nextitem is None or "roles" not in nextitem.fixturenames):
-            _SESSION_ROLES[0].close()
+        if _session_roles is not None and (nextitem is None or "roles" not in nextitem.fixturenames):
+            _session_roles.close()
 
 
 @pytest.fixture

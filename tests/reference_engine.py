@@ -13,7 +13,6 @@ the comparison rather than pass it.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import ray
@@ -27,9 +26,7 @@ class RebuiltEngine(GenerationWorker):
     def rebuild(self, model_path, rollout_cfg, seed) -> None:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        # Give stderr back to the process: the new engine's start captures it again (its reader
-        # thread of the old pipe ends once nothing writes to it).
-        os.dup2(self._stderr._real, 2)
+        self._stderr.close()  # the new engine's start captures stderr again
         self.__dict__.clear()
         cleanup_dist_env_and_memory()  # unfreezes the heap the last start froze and collects it
         GenerationWorker.__init__(self, model_path, rollout_cfg, seed)
