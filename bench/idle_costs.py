@@ -34,12 +34,12 @@ def _config(cache: str):
 
 def roles(seconds: float, cache: str) -> None:
     import cpu_floor
-    from cluster.preflight import actor_env
+    from cluster.preflight import ACTOR_ENV
     from cluster.roles import start_roles
     from common.ray_utils import start_local_ray
 
     cfg = _config(cache)
-    start_local_ray(num_cpus=8, env_vars=actor_env(cfg.ray))  # as the tests' ray_session
+    start_local_ray(num_cpus=8, env_vars=ACTOR_ENV)  # as the tests' ray_session
     started = start_roles(cfg)
     try:
         time.sleep(5)

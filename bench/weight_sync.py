@@ -287,11 +287,10 @@ def main() -> int:
         return report_reloads(args)
     import ray
 
-    from cluster.preflight import actor_env
-    from common.config import RayConfig
+    from cluster.preflight import ACTOR_ENV
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": actor_env(RayConfig())})
+             runtime_env={"env_vars": ACTOR_ENV})
     rows = []
     for size in args.sizes:
         rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb, args.transport))

@@ -20,7 +20,7 @@ __all__ = ["ConfigError", "compose_config", "load_config", "check_gpu_layout", "
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SCHEMA_NAME = "grpo_schema"
 # Schema fields that are free-form mappings: any sub-key is valid there.
-MAPPING_KEYS = ("reward.weights.", "reward.custom.", "learner.deepspeed.", "rollout.custom_tools.", "ray.env_vars.")
+MAPPING_KEYS = ("reward.weights.", "reward.custom.", "learner.deepspeed.", "rollout.custom_tools.")
 
 
 def schema_keys(node=Config, prefix: str = "") -> List[str]:

@@ -78,7 +78,7 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
 
     from cluster.evaluation import format_table
     from cluster.placement import Placement
-    from cluster.preflight import (actor_env, check_local_resources, check_resources, make_run_dir, prepare_prompts,
+    from cluster.preflight import (ACTOR_ENV, check_local_resources, check_resources, make_run_dir, prepare_prompts,
                                    resolve_model, say, show_prompt)
     from common.ray_utils import init_ray
     from reward.pool import VerifierPool
@@ -91,7 +91,7 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     check_local_resources(cfg, roles)
     cfg.model.path = resolve_model(cfg)
     problems, _, prompts = prepare_prompts(cfg, problems, [])
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=actor_env(cfg.ray), num_gpus=cfg.ray.num_gpus)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
     check_resources(cfg, roles)
     run_dir = make_run_dir(cfg)
     show_prompt(run_dir, prompts, started)

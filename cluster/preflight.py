@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from cluster.placement import ROLES, check
-from common.config import Config, ConfigError, RayConfig
+from common.config import Config, ConfigError
 
 # Quiet, reproducible actors: the progress bar is the run's voice, errors still propagate.
 ACTOR_ENV = {
@@ -19,11 +19,6 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONWARNINGS": "ignore",
 }
-
-
-def actor_env(ray_cfg: RayConfig) -> Dict[str, str]:
-    """Every actor's environment variables: the quiet ones above and `ray.env_vars`."""
-    return {**ACTOR_ENV, **ray_cfg.env_vars}
 
 
 def say(message: str, since: Optional[float] = None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from cluster.buffer import RolloutBuffer
-from cluster.preflight import actor_env, check_resources, make_run_dir, node_cpus, plan_threads, say, show_prompt
+from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, say, show_prompt
 from cluster.roles import Roles, start_roles
 from common.config import Config
 
@@ -40,7 +40,7 @@ class Run:
         from common.ray_utils import init_ray
 
         cfg = self.cfg
-        dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=actor_env(cfg.ray), num_gpus=cfg.ray.num_gpus)
+        dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
         self.say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a "
                  "cluster with RAY_ADDRESS or ray.address to get one)")
         check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever

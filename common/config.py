@@ -561,13 +561,6 @@ class RayConfig(Section):
     num_gpus: Optional[int] = None
     """GPUs of a locally started Ray (None: what the machine has; the tests declare fake ones
     to check how roles are laid out on GPUs)."""
-    env_vars: Dict[str, str] = field(default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
-    """Environment variables for every actor (Ray's runtime_env), on top of the run's own
-    logging ones; `+ray.env_vars.NAME=VALUE` adds one, `~ray.env_vars.NAME` drops one.
-    OMP_WAIT_POLICY=PASSIVE: an OpenMP thread that finished its share of a parallel region
-    sleeps at once instead of spinning for a while first. In sync mode the roles take turns on
-    the same cores, so a role that just finished its phase would otherwise spin on the cores the
-    next phase's role needs (the default job's steps were 2.7-3.5% shorter with it)."""
 
 
 @dataclass

@@ -74,13 +74,12 @@ def system_cfg(model_cache, tmp_path_factory):
 def ray_session():
     import ray
 
-    from cluster.preflight import actor_env
-    from common.config import RayConfig
+    from cluster.preflight import ACTOR_ENV
     from common.ray_utils import start_local_ray
 
     # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
     # A local Ray: each xdist worker starts one of its own instead of joining the other's.
-    start_local_ray(num_cpus=8, env_vars=actor_env(RayConfig()))
+    start_local_ray(num_cpus=8, env_vars=ACTOR_ENV)
     yield ray
     ray.shutdown()
 

@@ -26,9 +26,8 @@ def main(model_cache: str, out: str) -> None:
     from cluster.compose import load_config
     from cluster.placement import check
     from cluster.phases import grpo_step, warm_up
-    from cluster.preflight import actor_env, check_resources, resolve_model
+    from cluster.preflight import ACTOR_ENV, check_resources, resolve_model
     from cluster.roles import start_roles
-    from common.config import RayConfig
     from rollout.datasets import PromptSampler, load_problems
     from tests.helpers import small_overrides
 
@@ -37,7 +36,7 @@ def main(model_cache: str, out: str) -> None:
     labels = {"gen": 3, "train": 2, "score": 1}
     nodes = {label: cluster.add_node(num_cpus=cpus, resources={label: 1}, object_store_memory=store)
              for label, cpus in labels.items()}
-    ray.init(address=cluster.address, runtime_env={"env_vars": actor_env(RayConfig())}, log_to_driver=False)
+    ray.init(address=cluster.address, runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
     cfg = load_config(small_overrides(model_cache, out) + [
         "cluster.nodes.rollout=gen", "cluster.nodes.learner=train", "cluster.nodes.reward=score",
         "warmup.steps=10", "warmup.target_accuracy=0", "rollout.num_workers=1"])

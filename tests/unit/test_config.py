@@ -307,14 +307,3 @@ def test_a_local_rays_resources_are_checked_before_it_starts(monkeypatch):
     check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2", "ray.address=10.0.0.1:6379"]))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2"]))
-
-
-def test_actor_environment_sleeps_idle_openmp_threads_and_takes_user_variables():
-    from cluster.preflight import ACTOR_ENV, actor_env
-
-    default = actor_env(load_config([]).ray)
-    assert default == {**ACTOR_ENV, "OMP_WAIT_POLICY": "PASSIVE"}
-    changed = actor_env(load_config(["ray.env_vars.OMP_WAIT_POLICY=ACTIVE", "+ray.env_vars.NCCL_DEBUG=INFO",
-                                     "+ray.env_vars.SEED=7"]).ray)
-    assert changed == {**ACTOR_ENV, "OMP_WAIT_POLICY": "ACTIVE", "NCCL_DEBUG": "INFO", "SEED": "7"}
-    assert actor_env(load_config(["~ray.env_vars.OMP_WAIT_POLICY"]).ray) == ACTOR_ENV  # OpenMP's own default
