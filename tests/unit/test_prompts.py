@@ -136,3 +136,22 @@ def test_gold_answers_from_gsm8k_math_and_plain_fields(tmp_path):
     heldout, train = load_problems(DataConfig(source="jsonl", path=_rows(tmp_path / "g.jsonl", rows), heldout_size=0), 0)
     answers = {p.prompt: p.answer for p in heldout + train}
     assert answers == {"a": "7", "b": "\\frac{1}{2}", "c": "12", "d": "1234", "e": "x"}
+
+
+@pytest.mark.parametrize("tool_tags", [False, True])
+def test_the_built_in_models_tokenizer_loads_as_autotokenizer_loads_it(tmp_path, tool_tags):
+    """load_tokenizer skips AutoTokenizer for the built-in model's folder: the same class, vocabulary,
+    special tokens, chat template and encodings as AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    from learner.tiny_model import build_tokenizer
+    from rollout.prompts import load_tokenizer
+
+    build_tokenizer(tool_tags).save_pretrained(tmp_path)
+    direct, auto = load_tokenizer(str(tmp_path), built_in=True), AutoTokenizer.from_pretrained(tmp_path)
+    assert type(direct) is type(auto)
+    assert direct.get_vocab() == auto.get_vocab() and direct.all_special_tokens == auto.all_special_tokens
+    assert (direct.eos_token_id, direct.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)
+    assert direct.chat_template == auto.chat_template
+    texts = [render(CONVERSATION, "row 1", None, None, True, auto), "47+85=<think>7+5+0=12</think>", "héllo\n"]
+    assert [direct(t)["input_ids"] for t in texts] == [auto(t)["input_ids"] for t in texts]

@@ -1,0 +1,28 @@
+"""The weight-sync protocol's pure parts (common/weight_sync.py): buckets, the wire form, packing."""
+from __future__ import annotations
+
+import torch
+
+from common import weight_sync
+from common.weight_sync import TensorSpec, WeightSpec
+
+
+def test_tensors_go_in_order_into_buckets_and_a_large_one_alone():
+    spec = WeightSpec(tensors=(TensorSpec("a", (2, 3)), TensorSpec("b", (4,)), TensorSpec("c", (40,)),
+                               TensorSpec("d", (1,))), dtype="float32", bucket_bytes=48)
+    assert [[t.name for t in b] for b in spec.buckets()] == [["a", "b"], ["c"], ["d"]]
+    assert spec.total_bytes == (6 + 4 + 40 + 1) * 4
+    assert WeightSpec(spec.tensors, "bfloat16", 48).total_bytes == (6 + 4 + 40 + 1) * 2
+    assert WeightSpec.from_wire(spec.to_wire()) == spec
+
+
+def test_pack_then_unpack_gives_the_tensors_back():
+    tensors = [torch.arange(6.0).reshape(2, 3), torch.tensor([7.0, 8.0])]
+    bucket = [TensorSpec("x", (2, 3)), TensorSpec("y", (2,))]
+    flat = weight_sync.pack(tensors, "bfloat16")
+    assert flat.dtype == torch.bfloat16
+    into = weight_sync.empty_bucket(bucket, "float32")
+    weight_sync.pack_into(tensors, into)
+    for packed in (flat, into):
+        out = dict(weight_sync.unpack(packed, bucket))
+        assert torch.equal(out["x"].float(), tensors[0]) and torch.equal(out["y"].float(), tensors[1])
