@@ -39,10 +39,22 @@ def resolve_model(cfg: Config) -> str:
         return local if looks_local else path
     from learner.tiny_model import build_tiny_model
 
-    tool_tags = cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
-    folder = build_tiny_model(cfg.model, cfg.trainer.seed, tool_tags)
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
     check_model_length(cfg, folder)
     return folder
+
+
+def _tool_tags(cfg: Config) -> bool:
+    return cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
+
+
+def is_built_in(cfg: Config) -> bool:
+    """Whether `model.path` (once resolved) is the built-in model's folder, written by this
+    project's builder for this config, rather than a folder or hub id the user named."""
+    from learner.tiny_model import tiny_model_dir
+
+    return cfg.model.name == "tiny" and bool(cfg.model.path) and \
+        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
 
 
 def prepare_prompts(cfg: Config, heldout, train_set):
@@ -51,7 +63,8 @@ def prepare_prompts(cfg: Config, heldout, train_set):
     from rollout.prompts import prepare
 
     name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
-    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout}, cfg.rollout)
+    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout}, cfg.rollout,
+                             built_in=is_built_in(cfg))
     cfg.rollout.stop_token_ids = sorted(set(cfg.rollout.stop_token_ids) | set(info["stop_token_ids"]))
     tokens, where = info["longest_prompt"]
     if tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:

@@ -113,8 +113,9 @@ def stop_token_ids(model_path: str, tokenizer, chat: bool) -> List[int]:
 
 
 def load_tokenizer(model_path: str, built_in: bool):
-    """The model's tokenizer. The built-in model's folder is this project's own, written by
-    `save_pretrained`, which records the tokenizer's class in tokenizer_config.json: that class is
+    """The model's tokenizer. The built-in model's folder is this project's own (its builder made
+    it for this config), written by `save_pretrained`, which records the tokenizer's class in
+    tokenizer_config.json: that class is
     imported directly (1.7 CPU-s in a fresh process) instead of through AutoTokenizer (6.0: its
     module imports transformers' model registry, and with it torch, torch._dynamo and
     torch.distributed.tensor), which the driver would pay before Ray starts. Any other folder
@@ -129,13 +130,14 @@ def load_tokenizer(model_path: str, built_in: bool):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequence[Problem]], rollout_cfg=None
-            ) -> Tuple[Dict[str, List[Problem]], Dict[str, Any]]:
+def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequence[Problem]], rollout_cfg=None,
+            built_in: bool = False) -> Tuple[Dict[str, List[Problem]], Dict[str, Any]]:
     """Render every split; returns the rendered splits and what a run prints and saves: the
     first training row as the model sees it, whether the chat template was used, the stops.
     With tools (`rollout_cfg.episodes`) the tool format is checked against the tokenizer, a
-    chat template lists the tools, and warm-up targets become tool-using traces."""
-    tokenizer = load_tokenizer(model_path, built_in=model_name == "tiny")
+    chat template lists the tools, and warm-up targets become tool-using traces. `built_in`: the
+    folder is the built-in model's (see load_tokenizer)."""
+    tokenizer = load_tokenizer(model_path, built_in)
     conversational = any(p.messages is not None for rows in splits.values() for p in rows)
     chat = use_chat_template(data_cfg.chat_template, bool(getattr(tokenizer, "chat_template", None)),
                              conversational, data_cfg.system_prompt, model_name)

@@ -155,3 +155,20 @@ def test_the_built_in_models_tokenizer_loads_as_autotokenizer_loads_it(tmp_path,
     assert direct.chat_template == auto.chat_template
     texts = [render(CONVERSATION, "row 1", None, None, True, auto), "47+85=<think>7+5+0=12</think>", "héllo\n"]
     assert [direct(t)["input_ids"] for t in texts] == [auto(t)["input_ids"] for t in texts]
+
+
+def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path):
+    """A folder the user names (model.path), even with the tiny model's group, goes through AutoTokenizer."""
+    import shutil
+
+    from cluster.compose import load_config
+    from cluster.preflight import is_built_in, resolve_model
+
+    cfg = load_config([f"model.cache_dir={tmp_path}"])
+    cfg.model.path = resolve_model(cfg)
+    assert is_built_in(cfg)
+    copy = shutil.copytree(cfg.model.path, tmp_path / "mine")
+    for overrides in ([f"model.path={copy}"], ["model=hf", f"model.path={copy}"], ["model.path=Qwen/Qwen2.5-0.5B"]):
+        user = load_config([f"model.cache_dir={tmp_path}", *overrides])
+        user.model.path = resolve_model(user)
+        assert not is_built_in(user), overrides
