@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 COMMON = [
     "ray[default]==2.60.0",
     "deepspeed==0.19.8",
-    "transformers>=4.56",
+    "transformers>=5",  # the built-in tokenizer is built with v5's Qwen2Tokenizer(vocab=, merges=)
     "hydra-core==1.3.8",
     "omegaconf==2.3.1",
     "wandb>=0.22",

@@ -45,7 +45,7 @@ def resolve_model(cfg: Config) -> str:
 
 
 def _tool_tags(cfg: Config) -> bool:
-    return cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
+    return bool(cfg.rollout.episodes and cfg.rollout.tool_format == "tag")
 
 
 def is_built_in(cfg: Config) -> bool:

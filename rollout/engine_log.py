@@ -9,6 +9,7 @@ children inherit it) and a thread copies everything on to the real stderr, keepi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -22,6 +23,7 @@ class StderrTail:
     def __init__(self):
         self._tail = bytearray()
         self._lock = threading.Lock()
+        self._closed = False
         read_end, write_end = os.pipe()
         self._real = os.dup(2)
         os.dup2(write_end, 2)
@@ -34,7 +36,8 @@ class StderrTail:
                 chunk = os.read(read_end, 65536)
                 if not chunk:  # every writer closed it (close(), and any child that inherited it)
                     return
-                os.write(self._real, chunk)
+                with contextlib.suppress(OSError):  # keep draining: a full pipe would block the writers
+                    os.write(self._real, chunk)
                 with self._lock:
                     self._tail += chunk
                     del self._tail[:-TAIL_BYTES]
@@ -43,9 +46,13 @@ class StderrTail:
             os.close(self._real)
 
     def close(self) -> None:
-        """Point file descriptor 2 back at the real stderr. The pipe loses its writer, so the
-        thread copies what is left and closes both of its descriptors."""
-        os.dup2(self._real, 2)
+        """Point file descriptor 2 back at the real stderr. The pipe loses this process's writer;
+        once the children that inherited it have closed theirs too, the thread copies what is
+        left and closes both of its descriptors. A second call does nothing."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.dup2(self._real, 2)
 
     def text(self) -> str:
         with self._lock:

@@ -115,16 +115,18 @@ def stop_token_ids(model_path: str, tokenizer, chat: bool) -> List[int]:
 def load_tokenizer(model_path: str, built_in: bool):
     """The model's tokenizer. The built-in model's folder is this project's own (its builder made
     it for this config), written by `save_pretrained`, which records the tokenizer's class in
-    tokenizer_config.json: that class is
-    imported directly (1.7 CPU-s in a fresh process) instead of through AutoTokenizer (6.0: its
-    module imports transformers' model registry, and with it torch, torch._dynamo and
-    torch.distributed.tensor), which the driver would pay before Ray starts. Any other folder
-    goes through AutoTokenizer and all its rules (remote code, per-model overrides)."""
+    tokenizer_config.json: that class is imported directly (1.7 CPU-s in a fresh process) instead
+    of through AutoTokenizer (6.0: its module imports transformers' model registry, and with it
+    torch, torch._dynamo and torch.distributed.tensor), which the driver would pay before Ray
+    starts. Any other folder, or one whose class transformers does not export, goes through
+    AutoTokenizer and all its rules (remote code, per-model overrides)."""
     if built_in:
         import transformers
 
-        name = json.loads((Path(model_path) / "tokenizer_config.json").read_text())["tokenizer_class"]
-        return getattr(transformers, name).from_pretrained(model_path)
+        name = json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is not None:
+            return cls.from_pretrained(model_path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

@@ -157,18 +157,36 @@ def test_the_built_in_models_tokenizer_loads_as_autotokenizer_loads_it(tmp_path,
     assert [direct(t)["input_ids"] for t in texts] == [auto(t)["input_ids"] for t in texts]
 
 
-def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path):
-    """A folder the user names (model.path), even with the tiny model's group, goes through AutoTokenizer."""
-    import shutil
+def test_a_built_in_folder_that_names_no_exported_class_goes_through_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
 
+    from learner.tiny_model import build_tokenizer
+    from rollout.prompts import load_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    for name in (None, "NoSuchTokenizer"):
+        fields = json.loads(config.read_text())
+        fields.pop("tokenizer_class", None) if name is None else fields.update(tokenizer_class=name)
+        config.write_text(json.dumps(fields))
+        loaded = load_tokenizer(str(tmp_path), built_in=True)
+        assert type(loaded) is type(AutoTokenizer.from_pretrained(tmp_path)), name
+
+
+def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path):
+    """A folder the user names (model.path), even with the tiny model's group, goes through
+    AutoTokenizer; so does a built-in folder made for other settings (with or without tool tags)."""
     from cluster.compose import load_config
-    from cluster.preflight import is_built_in, resolve_model
+    from cluster.preflight import is_built_in
+    from learner.tiny_model import tiny_model_dir
 
     cfg = load_config([f"model.cache_dir={tmp_path}"])
-    cfg.model.path = resolve_model(cfg)
+    cfg.model.path = str(tiny_model_dir(cfg.model, cfg.trainer.seed))  # what resolve_model returns
     assert is_built_in(cfg)
-    copy = shutil.copytree(cfg.model.path, tmp_path / "mine")
-    for overrides in ([f"model.path={copy}"], ["model=hf", f"model.path={copy}"], ["model.path=Qwen/Qwen2.5-0.5B"]):
+    tools = load_config([f"model.cache_dir={tmp_path}", "rollout.tools=[calculator]"])
+    tools.model.path = cfg.model.path
+    assert not is_built_in(tools)
+    for overrides in ([f"model.path={tmp_path / 'mine'}"], ["model=hf", f"model.path={tmp_path / 'mine'}"],
+                      ["model.path=Qwen/Qwen2.5-0.5B"]):
         user = load_config([f"model.cache_dir={tmp_path}", *overrides])
-        user.model.path = resolve_model(user)
         assert not is_built_in(user), overrides
