@@ -7,25 +7,34 @@ import sys
 
 from rollout.engine_log import root_cause
 
-# In a child process: the tail takes over descriptor 2 of whatever process runs it.
-SCRIPT = r"""
+# Run in a child process (the tail takes over descriptor 2 of whatever process runs it), after
+# PRELUDE: the descriptors open before, and a wait until they are all that is open again (the
+# copying thread closes its two once every writer of the pipe has closed it).
+PRELUDE = r"""
 import os, subprocess, sys, time
 from rollout.engine_log import StderrTail
 
 def open_fds():
     return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
 
+def back_to(fds):
+    for _ in range(100):
+        if open_fds() == fds:
+            return True
+        time.sleep(0.05)
+    return False
+
 before = open_fds()
+"""
+
+SCRIPT = PRELUDE + r"""
 tail = StderrTail()
 subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('ValueError: from a child\\n')"])
 os.write(2, b"kept line\n")
 tail.close()
-for _ in range(100):  # the copying thread sees the pipe's end and closes its descriptors
-    if open_fds() == before:
-        break
-    time.sleep(0.05)
+closed = back_to(before)
 os.write(2, b"after close\n")
-print(repr(tail.text()), open_fds() == before)
+print(repr(tail.text()), closed)
 """
 
 
@@ -39,25 +48,14 @@ def test_stderr_tail_keeps_passes_on_and_gives_back_file_descriptor_2():
 
 # A child that inherited the pipe writes after close(): its line still reaches the real stderr, and
 # the descriptors close only once it has exited. A second close() changes nothing.
-CHILD_SCRIPT = r"""
-import os, subprocess, sys, time
-from rollout.engine_log import StderrTail
-
-def open_fds():
-    return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
-
-before = open_fds()
+CHILD_SCRIPT = PRELUDE + r"""
 tail = StderrTail()
 child = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1); sys.stderr.write('late\\n')"])
 tail.close()
 tail.close()
 still_open = open_fds() != before
 child.wait()
-for _ in range(100):
-    if open_fds() == before:
-        break
-    time.sleep(0.05)
-print(still_open, open_fds() == before, repr(tail.text()))
+print(still_open, back_to(before), repr(tail.text()))
 """
 
 
