@@ -23,12 +23,33 @@ PANELS = [
     ("tool failures and time (s)", ["tool_errors", "tool_timeouts", "time_tools", "time_tools_blocking"]),
 ]
 LOG_SCALE = {"learning rate and grad norm"}
+COLS = 4
 
 
 def _keys(pattern: str, rows) -> list:
     if pattern.endswith("*"):
         return sorted({k for r in rows for k in r if k.startswith(pattern[:-1])})
     return [pattern]
+
+
+def panel_series(rows: list, heldout_before: float | None = None,
+                 heldout_after: float | None = None) -> list[tuple[str, dict[str, list]]]:
+    """Each panel's curves as (title, {metric: [(step, value), ...]}), in PANELS' order, leaving
+    out the panels whose metrics this run never logged (a run without tools has no tool panels)."""
+    panels = []
+    for title, patterns in PANELS:
+        series = {}
+        for key in (k for p in patterns for k in _keys(p, rows)):
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if key == "heldout_accuracy" and heldout_before is not None and heldout_after is not None:
+                # Before GRPO is step 0; the final evaluation is the last step.
+                last = rows[-1]["step"] if rows else 0
+                points = [(0, heldout_before)] + [p for p in points if p[0] != last] + [(last, heldout_after)]
+            if points:
+                series[key] = points
+        if series:
+            panels.append((title, series))
+    return panels
 
 
 def write_report(run_dir: Path, heldout_before: float | None = None, heldout_after: float | None = None) -> Path:
@@ -38,25 +59,20 @@ def write_report(run_dir: Path, heldout_before: float | None = None, heldout_aft
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    cols = 4
-    fig, axes = plt.subplots((len(PANELS) + cols - 1) // cols, cols, figsize=(18, 12))
-    for ax, (title, patterns) in zip(axes.flat, PANELS):
-        for key in (k for p in patterns for k in _keys(p, rows)):
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if key == "heldout_accuracy" and heldout_before is not None and heldout_after is not None:
-                # Before GRPO is step 0; the final evaluation is the last step.
-                last = rows[-1]["step"] if rows else 0
-                points = [(0, heldout_before)] + [p for p in points if p[0] != last] + [(last, heldout_after)]
-            if points:
-                ax.plot(*zip(*points), marker="o", markersize=2, linewidth=1.2, label=key)
+    panels = panel_series(rows, heldout_before, heldout_after)
+    nrows = max(1, (len(panels) + COLS - 1) // COLS)
+    fig, axes = plt.subplots(nrows, COLS, figsize=(18, 3 * nrows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels):
+        for key, points in series.items():
+            ax.plot(*zip(*points), marker="o", markersize=2, linewidth=1.2, label=key)
         if title in LOG_SCALE:
             ax.set_yscale("log")
-        if ax.lines and len(ax.lines) > 1:
+        if len(series) > 1:
             ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(PANELS):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if heldout_before is not None and heldout_after is not None:
         fig.suptitle(f"{run_dir.name}: held-out greedy accuracy {heldout_before:.1%} -> {heldout_after:.1%}")
