@@ -10,6 +10,9 @@ appears while it runs; it prints the CPU seconds per kind of process (a Ray acto
 the `grpo` drivers, pytest, each of Ray's own daemons) and how many there were. Processes that
 live under half a second are missed. The machine's busy fraction over the whole run is printed
 too: near 100% means more workers or more overlap cannot make it faster, only less work can.
+Before and after CMD it runs a fixed probe in a fresh process (importing torch and transformers'
+model classes, then a one-thread matmul loop): this host's speed drifts and differs between
+machines of the same size, so two runs' walls compare only beside their probes.
 
 `phases` runs the GRPO driver in this process with the machine's busy fraction sampled every
 50 ms and each timed phase of a step (generate, reward, train, weight sync) logged, and prints
@@ -87,7 +90,30 @@ def kind(cmd: str) -> str:
     return "other: " + " ".join(cmd.split())[:50]
 
 
+# The two kinds of work the suite is made of: imports (most of an actor's start) and compute.
+PROBE = """
+import resource, time
+import torch
+torch.set_num_threads(1)
+from transformers import Qwen2ForCausalLM
+imported = resource.getrusage(resource.RUSAGE_SELF)
+a = torch.randn(256, 256)
+begun = time.process_time()
+for _ in range(5000):
+    a = torch.tanh(a @ a)
+print(imported.ru_utime + imported.ru_stime, time.process_time() - begun)
+"""
+
+
+def host_probe() -> str:
+    """The fixed probe's CPU seconds in a fresh process: its imports, then its compute."""
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
+    imports, compute = map(float, out.split())
+    return f"imports {imports:.2f} CPU-s, matmuls {compute:.2f} CPU-s"
+
+
 def processes(command: list) -> None:
+    probe_before = host_probe()
     before = set(process_cpu())
     busy0, total0 = machine_busy()
     started = time.time()
@@ -101,6 +127,7 @@ def processes(command: list) -> None:
         time.sleep(0.5)
     busy1, total1 = machine_busy()
     wall = time.time() - started
+    probe_after = host_probe()
     by_kind = collections.defaultdict(lambda: [0.0, 0])
     for cmd, cpu in seen.values():
         by_kind[kind(cmd)][0] += cpu
@@ -108,7 +135,8 @@ def processes(command: list) -> None:
     total = sum(cpu for cpu, _ in by_kind.values())
     print(f"\n`{' '.join(command)}`: exit {child.returncode}, {wall:.0f} s wall, machine busy "
           f"{(busy1 - busy0) / max(total1 - total0, 1):.0%} of {os.cpu_count()} CPUs, "
-          f"{total:.0f} CPU-s in the processes it started\n")
+          f"{total:.0f} CPU-s in the processes it started; host probe before: {probe_before}, "
+          f"after: {probe_after}\n")
     print("| process | how many | CPU seconds | share | CPU seconds each |\n| --- | --- | --- | --- | --- |")
     for name, (cpu, count) in sorted(by_kind.items(), key=lambda item: -item[1][0]):
         if cpu >= 0.005 * total:
