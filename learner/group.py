@@ -8,6 +8,7 @@ import ray
 from common.config import AlgoConfig, LearnerConfig
 from common.ray_utils import free_port, node_ip
 from learner.actor import LearnerRank
+from learner.metrics import combine_metrics
 
 
 class LearnerError(RuntimeError):
@@ -63,13 +64,14 @@ class LearnerGroup:
         return self.call("warmup", steps, batch_size, lr, seed)[0]
 
     def train_step(self, group_refs: Sequence[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
-        """Each rank gets an equal, contiguous share of whole groups; metrics are averaged."""
+        """Each rank gets an equal, contiguous share of whole groups; their metrics are combined
+        as the whole batch's (learner/metrics.py: token means weighted by each rank's tokens)."""
         per_rank, rest = divmod(len(group_refs), len(self.ranks))
         if rest or not per_rank:
             raise ValueError(f"{len(group_refs)} prompt groups cannot be split evenly over {len(self.ranks)} ranks")
         shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
         results = _get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)], "train_step")
-        return {k: sum(m[k] for m in results) / len(results) for k in results[0]}
+        return combine_metrics(results)
 
     def save_checkpoint(self, folder: str) -> None:
         """Every rank writes its part of the checkpoint (DeepSpeed saving is collective)."""

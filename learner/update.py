@@ -20,6 +20,7 @@ from learner import grpo, ppo
 from learner.batching import MicroBatcher, Rollouts
 from learner.collectives import global_std, global_sum
 from learner.logprobs import token_logprobs
+from learner.metrics import combine_metrics
 
 
 @dataclass
@@ -103,7 +104,8 @@ class GroupUpdate:
                 step_metrics.append(metrics)
         if fixed.first_minibatch_own and fixed.is_weights is not None:  # now that every row's pi_old is known
             fixed.metrics = grpo.is_metrics(fixed.old_logprobs, batch.sampler_logprobs, batch.mask, self.algo.is_cap)
-        out = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        out = combine_metrics(step_metrics)
+        out["loss_tokens"] = batch.mask.sum().double()  # once, however many passes
         out["advantage_abs_mean"] = fixed.advantages.abs().mean()
         return host_floats({**out, **fixed.metrics})
 
@@ -120,14 +122,16 @@ class GroupUpdate:
         if self.algo.loss_agg == "token-mean":  # the batch's tokens, over every rank
             num_tokens = global_sum(batch.mask[mb].sum()) / self.world_size
         weights = self._micro_weights(micros, exact=num_tokens is not None)
+        tokens = sum(m.target_tokens for m in micros)
         metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
         for j, (micro, T) in enumerate(accumulating(policy, micros, batch)):
             loss, micro_metrics = self._micro_loss(policy, micro.rows, T, micro.first_target, batch, fixed,
                                                    temperature, num_tokens, own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
-            _accumulate(metrics, micro_metrics, weights[j], len(micros))
+            _accumulate(metrics, micro_metrics, weights[j], micro.target_tokens / tokens if tokens else 1 / len(micros))
         policy.step()
         metrics["micro_batches"] = float(len(micros))
+        metrics["loss_tokens"] = float(tokens)  # the weight of this minibatch's token means
         return metrics
 
     def _micro_weights(self, micros, exact: bool) -> List[float]:
@@ -187,19 +191,19 @@ def accumulating(engine, micros: list, batch: Rollouts):
         yield micro, T
 
 
-def _accumulate(total: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor], weight: float,
-                num_micros: int) -> None:
+def _accumulate(total: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor], loss_weight: float,
+                token_share: float) -> None:
     """A micro-batch's metrics (0-dim tensors) into the minibatch's, on the device: the loss by
-    its weight, the largest ratio as a max, every other metric as a plain mean over the
-    micro-batches. In float64, the arithmetic python floats did when they were read each time
-    (except that a NaN ratio now reaches the max, as it reaches the loss, instead of being
-    dropped by python's max)."""
+    its weight in the minibatch's loss, the largest ratio as a max, every other metric (a mean
+    over the micro-batch's tokens) by its share of the minibatch's tokens. In float64, the
+    arithmetic python floats did when they were read each time (except that a NaN ratio now
+    reaches the max, as it reaches the loss, instead of being dropped by python's max)."""
     for key, value in metrics.items():
         value = value.double()
         if key == "ratio_max":
             total[key] = torch.maximum(total[key], value) if key in total else value.clamp(min=0.0)
         else:
-            total[key] = total.get(key, 0.0) + (weight if key == "loss" else 1.0 / num_micros) * value
+            total[key] = total.get(key, 0.0) + (loss_weight if key == "loss" else token_share) * value
 
 
 class CriticUpdate(GroupUpdate):

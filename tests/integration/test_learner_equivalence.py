@@ -101,6 +101,13 @@ class PlainGRPO:
         logits = self.model(input_ids=self.ids[rows], attention_mask=self.attention[rows]).logits[:, :-1]
         return torch.log_softmax(logits.float(), -1).gather(-1, self.ids[rows, 1:, None]).squeeze(-1)
 
+    @torch.no_grad()
+    def entropy(self) -> float:
+        """The policy's entropy, a mean over every completion token of the batch."""
+        logits = self.model(input_ids=self.ids, attention_mask=self.attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1)
+        return float(-(logp.exp() * logp).sum(-1)[self.mask].mean())
+
     def loss(self, rows, num_tokens=None, is_weights=None):
         rows = torch.as_tensor(rows)
         logprobs = self.logprobs(rows)
@@ -185,6 +192,12 @@ def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(learners
     assert_same_gradient(other, update)
     assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
     assert other_metrics["micro_batches"] > 1 if micro_tokens else other_metrics["micro_batches"] == 1
+    # The metrics are the whole batch's, however it is cut: the entropy is the token mean (length-
+    # sorted micro-batches averaged alike gave the longest rows' micro-batch the weight of all others).
+    entropy = _plain(system_cfg, batch).entropy()
+    assert metrics["entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert other_metrics["entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert other_metrics["loss_tokens"] == metrics["loss_tokens"] == sum(len(c) for g in batch for c in g.completion_ids)
 
 
 def _adam_tolerance(gradient: dict, weights: dict):
@@ -262,17 +275,17 @@ def test_importance_weights_of_the_first_minibatch_come_from_its_own_forward(lea
         own = plain.logprobs(rows)
     weights, whole = grpo.truncated_is_weights(own, sampler, plain.mask, 2.0)
     assert 0 < whole["is_capped_fraction"] < 0.5 and whole["sampler_logprob_gap"] > 0.1
-    half = len(own) // 2  # each of 2 ranks reports its own share's means; the step averages them
+    half = len(own) // 2  # the ranks' shares have unequal token counts: a plain mean of theirs is not the batch's
     shares = [grpo.truncated_is_weights(own[s], sampler[s], plain.mask[s], 2.0)[1]
               for s in (slice(0, half), slice(half, None))]
-    by_ranks = {1: whole, 2: {k: sum(m[k] for m in shares) / 2 for k in whole}}
+    assert {k: sum(m[k] for m in shares) / 2 for k in whole} != pytest.approx(whole, rel=1e-3)
     gradient = plain.gradient([(1.0, plain.loss(rows, is_weights=weights))])
     without = plain.gradient([(1.0, plain.loss(rows))])
     assert mismatch(without, gradient) > 10 * GRAD_RTOL, "the weights should change this gradient"
     for ranks, stage, micro in [(1, 2, 0), (2, 3, 30)]:
         update, metrics, _ = _one_step(learners, system_cfg, groups, ranks, stage, micro, is_cap=2.0)
         assert_same_gradient(update, gradient)
-        for key, value in by_ranks[ranks].items():
+        for key, value in whole.items():  # the whole batch's token means, for any number of ranks
             assert metrics[key] == pytest.approx(value, rel=1e-5), key
 
 
@@ -284,6 +297,21 @@ def test_later_minibatches_and_passes_use_pi_old_from_before_the_first_step(lear
     update, _, _ = _one_step(learners, system_cfg, groups, 1, 2, minibatches=2, lr=lr, is_cap=2.0, num_iterations=2)
     expected = _plain(system_cfg, batch).sgd_passes(2, 2, lr, sampler, 2.0)
     assert_same_gradient(update, expected)
+
+
+def test_reported_metrics_are_the_whole_batchs_however_it_is_cut_into_micro_batches(learners, system_cfg, batch):
+    """Two minibatches with a step between them, so that the second has a KL, ratios away from 1
+    and clipping: what the step reports is the same in one micro-batch and in micro-batches of
+    at most 20 or 30 padded tokens (rows sorted by length, so each holds its own kind of row):
+    token means weighted by their tokens, the largest ratio the largest. (A plain mean over the
+    micro-batches differs: it gives a micro-batch of a few long rows the weight of all others.)"""
+    runs = [_one_step(learners, system_cfg, batch, 1, 2, micro, minibatches=2, lr=SGD_LR)[1] for micro in (0, 20, 30)]
+    whole = runs[0]
+    assert whole["kl"] > 1e-4 and abs(whole["ratio_mean"] - 1) > 1e-4 and whole["clip_fraction"] > 0, whole
+    for metrics in runs[1:]:
+        assert metrics["micro_batches"] > 2
+        for key in ("kl", "ratio_mean", "clip_fraction", "entropy", "ratio_max", "loss_tokens"):
+            assert metrics[key] == pytest.approx(whole[key], rel=1e-5), key
 
 
 def test_known_wrong_implementations_fail(learners, system_cfg, batch, reference):

@@ -75,15 +75,38 @@ def test_metrics_kept_on_the_device_sum_exactly_as_floats_read_each_time_did():
     micros = [{k: torch.rand((), generator=gen, dtype=torch.float32) * 3 for k in ("loss", "kl", "ratio_max")}
               for _ in range(7)]
     weights = [float(w) for w in torch.rand(7, generator=gen)]
+    tokens = [int(t) for t in torch.randint(1, 300, (7,), generator=gen)]
+    shares = [t / sum(tokens) for t in tokens]
     total: dict = {}
-    for m, w in zip(micros, weights):
-        _accumulate(total, m, w, len(micros))
+    for m, w, share in zip(micros, weights, shares):
+        _accumulate(total, m, w, share)
     got = host_floats({**total, "micro_batches": 7.0})
 
     want = {"loss": 0.0, "kl": 0.0}
-    for m, w in zip(micros, weights):
+    for m, w, share in zip(micros, weights, shares):
         want["loss"] += w * float(m["loss"])
-        want["kl"] += 1.0 / len(micros) * float(m["kl"])
+        want["kl"] += share * float(m["kl"])  # a token mean: by the micro-batch's share of the tokens
     want["ratio_max"] = max(float(m["ratio_max"]) for m in micros)
     assert got == {**want, "micro_batches": 7.0}
     assert all(type(v) is float for v in got.values())
+
+
+def test_parts_of_a_step_combine_into_the_whole_batchs_metrics():
+    """Minibatches and ranks with unequal token counts: token means weighted by tokens (the
+    mean over every token), the largest ratio, the tokens summed, the rest plain means; the
+    same for floats and for 0-dim tensors kept on the device."""
+    from learner.metrics import combine_metrics
+
+    gen = torch.Generator().manual_seed(11)
+    rows = [torch.rand(n, generator=gen, dtype=torch.float64) for n in (5, 40, 1)]  # per-token entropies
+    parts = [{"entropy": float(r.mean()), "ratio_max": float(r.max()), "loss": float(r.sum()),
+              "loss_tokens": float(len(r))} for r in rows]
+    every = torch.cat(rows)
+    want = {"entropy": float(every.mean()), "ratio_max": float(every.max()),
+            "loss": sum(p["loss"] for p in parts) / 3, "loss_tokens": 46.0}
+    assert combine_metrics(parts) == pytest.approx(want, rel=1e-12)
+    on_device = combine_metrics([{k: torch.tensor(v, dtype=torch.float64) for k, v in p.items()} for p in parts])
+    assert {k: float(v) for k, v in on_device.items()} == pytest.approx(want, rel=1e-12)
+    # no tokens anywhere (every completion masked out): every part counts alike, nothing divides by 0
+    empty = [{**p, "loss_tokens": 0.0} for p in parts]
+    assert combine_metrics(empty)["entropy"] == pytest.approx(sum(p["entropy"] for p in parts) / 3)
