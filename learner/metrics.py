@@ -11,9 +11,12 @@ from typing import Dict, Sequence
 # minibatches, ranks) are combined weighted by their tokens, so these do not depend on how the
 # batch is cut: a plain mean over micro-batches cut by length gave the few longest completions,
 # alone in the last micro-batch, as much weight as all the others (the default job's entropy
-# read 0.45 nats/token where the token mean was 0.37).
+# read 0.45 nats/token where the token mean was 0.37: bench/results/token_means_20261202.md).
 TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean", "entropy", "is_weight_mean", "is_capped_fraction",
-               "sampler_logprob_gap")
+               "sampler_logprob_gap", "value_loss", "value_clip_fraction", "value_mean")
+# The step's largest: the largest ratio, and the slowest and most memory-hungry rank (the one a
+# user sizes for).
+LARGEST = ("ratio_max", "learner_seconds", "learner_peak_memory_mb")
 
 
 def _largest(values: Sequence):
@@ -26,9 +29,10 @@ def _largest(values: Sequence):
 
 def combine_metrics(parts: Sequence[Dict[str, object]]) -> Dict[str, object]:
     """The metrics of several parts of a step (its minibatches; the ranks' shares) as one: the
-    TOKEN_MEANS weighted by each part's `loss_tokens`, `ratio_max` the largest, `loss_tokens`
-    summed, anything else (the loss, grad norm, per-completion means over equal numbers of
-    completions) a plain mean. Values may be floats or 0-dim tensors (kept on the device)."""
+    TOKEN_MEANS weighted by each part's `loss_tokens`, the LARGEST the largest, `loss_tokens`
+    summed, anything else a plain mean (the loss, the grad norm and lr, which every rank shares,
+    and the means over completions, of which every part holds as many). Values may be floats or
+    0-dim tensors (kept on the device)."""
     tokens = [p.get("loss_tokens", 0.0) for p in parts]
     total = sum(tokens)
     # A part without tokens counts as nothing; when no part has any, every part counts alike.
@@ -36,7 +40,7 @@ def combine_metrics(parts: Sequence[Dict[str, object]]) -> Dict[str, object]:
     out: Dict[str, object] = {}
     for key in parts[0]:
         values = [p[key] for p in parts]
-        if key == "ratio_max":
+        if key in LARGEST:
             out[key] = _largest(values)
         elif key == "loss_tokens":
             out[key] = total

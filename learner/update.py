@@ -20,7 +20,7 @@ from learner import grpo, ppo
 from learner.batching import MicroBatcher, Rollouts
 from learner.collectives import global_std, global_sum
 from learner.logprobs import token_logprobs
-from learner.metrics import combine_metrics
+from learner.metrics import TOKEN_MEANS, combine_metrics
 
 
 @dataclass
@@ -91,7 +91,8 @@ class GroupUpdate:
 
     # ---- the loop both share ----------------------------------------------------------------------
     def run(self, policy, reference, batch: Rollouts, temperature: float) -> Dict[str, float]:
-        """Every optimizer step of this step; returns the mean of the minibatches' metrics."""
+        """Every optimizer step of this step; returns the step's metrics (learner/metrics.py:
+        token means over every minibatch's tokens)."""
         with torch.no_grad():
             fixed = self.fix(policy, reference, batch, temperature)
         step_metrics: List[Dict[str, object]] = []  # 0-dim tensors and floats until host_floats
@@ -194,16 +195,19 @@ def accumulating(engine, micros: list, batch: Rollouts):
 def _accumulate(total: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor], loss_weight: float,
                 token_share: float) -> None:
     """A micro-batch's metrics (0-dim tensors) into the minibatch's, on the device: the loss by
-    its weight in the minibatch's loss, the largest ratio as a max, every other metric (a mean
-    over the micro-batch's tokens) by its share of the minibatch's tokens. In float64, the
-    arithmetic python floats did when they were read each time (except that a NaN ratio now
-    reaches the max, as it reaches the loss, instead of being dropped by python's max)."""
+    its weight in the minibatch's loss, the largest ratio as a max, the TOKEN_MEANS by the
+    micro-batch's share of the minibatch's tokens (any other metric is refused: say how it adds
+    up first). In float64, the arithmetic python floats did when they were read each time
+    (except that a NaN ratio now reaches the max, as it reaches the loss, instead of being
+    dropped by python's max)."""
     for key, value in metrics.items():
         value = value.double()
         if key == "ratio_max":
             total[key] = torch.maximum(total[key], value) if key in total else value.clamp(min=0.0)
-        else:
+        elif key == "loss" or key in TOKEN_MEANS:
             total[key] = total.get(key, 0.0) + (loss_weight if key == "loss" else token_share) * value
+        else:
+            raise KeyError(f"micro-batch metric {key!r}: not in learner.metrics.TOKEN_MEANS")
 
 
 class CriticUpdate(GroupUpdate):
@@ -253,7 +257,7 @@ class CriticUpdate(GroupUpdate):
             for key, value in micro_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + share * value.double()
         self.critic.step()
-        metrics["kl"] = grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]).double()  # summed over minibatches
+        metrics["kl"] = grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]).double()  # this minibatch's token mean
         return metrics
 
 

@@ -16,12 +16,12 @@ from helpers import varied_groups
 MICRO_TOKENS = 30  # several micro-batches of the 16 rows below (2-9 completion tokens each)
 
 
-def _ppo_steps(learners, cfg, steps: int, micro_tokens: int):
+def _ppo_steps(learners, cfg, steps: int, micro_tokens: int, ranks: int = 2):
     """Metrics of `steps` PPO steps on one fixed batch, and the policy before and after them
     (`learners`: the module's pool)."""
     vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
     groups = [ray.put(g) for g in varied_groups(vocab, 4)]
-    learner_cfg = replace(cfg.learner, num_ranks=2, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1,
+    learner_cfg = replace(cfg.learner, num_ranks=ranks, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1,
                           max_tokens_per_microbatch=micro_tokens)
     algo = replace(cfg.algo, adv_estimator="gae", critic_lr=3e-3)
     with learners.learner(cfg.model.path, learner_cfg, algo, 32, cfg.trainer.seed) as learner:
@@ -62,3 +62,14 @@ def test_micro_batches_give_the_critic_the_loss_and_step_of_one_batch(micro_batc
     for key in ("value_loss", "value_clip_fraction", "value_mean", "loss"):
         assert micro[0][key] == pytest.approx(whole[0][key], rel=1e-5, abs=1e-7), key
     assert micro[1]["value_loss"] == pytest.approx(whole[1]["value_loss"], rel=1e-4), "the critic's first steps differ"
+
+
+def test_value_metrics_are_the_whole_batchs_for_any_rank_count(micro_batched, learners, system_cfg):
+    """Two ranks hold shares of the batch with unequal token counts: the value model's metrics of
+    the first step (before any update) are its token means over the whole batch, as one rank
+    computes them (a plain mean of the two ranks' means is not)."""
+    one, _, _ = _ppo_steps(learners, system_cfg, 1, MICRO_TOKENS, ranks=1)
+    two = micro_batched[0][0]
+    for key in ("value_loss", "value_mean"):
+        assert two[key] == pytest.approx(one[0][key], rel=1e-5), key
+    assert two["loss_tokens"] == one[0]["loss_tokens"]

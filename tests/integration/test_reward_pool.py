@@ -8,6 +8,7 @@ import os
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
@@ -77,7 +78,7 @@ def _sandbox_processes() -> set:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.stat(f"/proc/{pid}").st_uid == 65534:
-                found.add((pid, open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]))
+                found.add((pid, Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
         except (FileNotFoundError, ProcessLookupError, IndexError):
             pass
     return found

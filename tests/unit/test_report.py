@@ -49,12 +49,13 @@ def test_each_panel_holds_the_curves_its_metrics_logged():
 
 def test_the_figure_has_a_row_of_panels_per_four_that_have_data(tmp_path):
     sizes = {}
-    for name, rows in (("plain", _rows()), ("tools", _rows(TOOLS)), ("empty", [])):
+    few = [{"step": s, "reward_mean": 0.5, "kl": 0.01, "lr": 1e-4} for s in (1, 2)]  # 3 panels
+    for name, rows in (("plain", _rows()), ("tools", _rows(TOOLS)), ("few", few), ("empty", [])):
         run_dir = tmp_path / name
         run_dir.mkdir()
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         sizes[name] = _png_size(write_report(run_dir, 0.6, 0.9))
-    # 14 panels (4 rows) without tools, 16 (4 rows) with them, at 300 px a row; an empty log still
-    # gets a (blank) figure rather than an error
+    # 14 panels (4 rows) without tools, 16 (4 rows) with them, 3 in one row, at 300 px a row; a
+    # log without steps still gets a figure (the held-out accuracy before and after) rather than an error
     assert sizes["plain"] == sizes["tools"] == (1800, 1200)
-    assert sizes["empty"] == (1800, 300)
+    assert sizes["few"] == sizes["empty"] == (1800, 300)
