@@ -22,6 +22,20 @@ class EngineStartError(RuntimeError):
     """A vLLM engine failed to start; the message is one line with the root cause."""
 
 
+def no_compile() -> None:
+    """No torch.compile in this process or the processes it starts (a tensor-parallel engine's
+    ranks), for an eager engine on CPUs. vLLM's sampler still compiles one helper (the rank of
+    each sampled token among the logits, which every log-prob request computes) the first time a
+    request asks for log-probs: on CPUs Inductor then writes and compiles C++, 1.8-1.9 s of the
+    first training step of every engine (64 x 8 completions of the built-in model: 2.69-2.72 s
+    with it, 0.84-0.86 s without, later calls 0.79-0.85 s either way:
+    bench/results/first_step_compile_20261202.md). An eager engine compiles nothing else."""
+    import torch._dynamo
+
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read when a child process imports torch
+    torch._dynamo.config.disable = True
+
+
 class GenerationWorker:
     """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
 
@@ -45,6 +59,8 @@ class GenerationWorker:
             # tensor-parallel engine's ranks stay processes of vLLM's `mp` executor. On GPUs
             # vLLM's own process overlaps scheduling with the GPU's work: kept there.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if current_platform.is_cpu() and rollout_cfg.enforce_eager:
+            no_compile()
         if tp == 1 and current_platform.is_cpu() and rollout_cfg.num_threads:
             import torch
 
