@@ -26,14 +26,15 @@ def no_compile() -> None:
     """No torch.compile in this process or the processes it starts (a tensor-parallel engine's
     ranks), for an eager engine on CPUs. vLLM's sampler still compiles one helper (the rank of
     each sampled token among the logits, which every log-prob request computes) the first time a
-    request asks for log-probs: on CPUs Inductor then writes and compiles C++, 1.8-1.9 s of the
-    first training step of every engine (64 x 8 completions of the built-in model: 2.69-2.72 s
-    with it, 0.84-0.86 s without, later calls 0.79-0.85 s either way:
+    request asks for log-probs: on CPUs Inductor then writes and compiles C++, about 1.8 s of the
+    first training step of every engine (64 x 8 completions of the built-in model: 2.72 s with
+    it, 0.86-0.89 s without, later calls 0.80-0.88 s either way:
     bench/results/first_step_compile_20261202.md). An eager engine compiles nothing else."""
     import torch._dynamo
 
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read when a child process imports torch
-    torch._dynamo.config.disable = True
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # torch reads it at import: a rank process started fresh
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"    # read by torch.compile itself, when it wraps a function
+    torch._dynamo.config.disable = True         # this process, whose torch is imported already
 
 
 class GenerationWorker:

@@ -86,3 +86,16 @@ def engine_state(worker, prompts=PROMPTS):
     log-probs, and every tensor-parallel rank's parameter sums."""
     return (greedy_ids(worker, prompts), ray.get(worker.prompt_logprobs.remote(prompts)),
             ray.get(worker.weights_checksum.remote()))
+
+
+def compiled_graphs():
+    """A function that says how many graphs torch.compile has compiled in the process it runs in:
+    an engine's actor (`actor.__ray_call__`, which passes the actor) or a tensor-parallel rank
+    (vLLM's `collective_rpc`, which passes the rank's worker). Nested, so that it is pickled by
+    value: neither process can import this module."""
+    def count(_owner=None) -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    return count

@@ -13,6 +13,7 @@ from common.config import WarmupConfig
 from cluster.roles import evaluate
 from rollout.datasets import PromptSampler, load_problems
 from rollout.pool import as_batch
+from helpers import compiled_graphs
 
 
 REQUIRED_KEYS = {
@@ -47,6 +48,9 @@ def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, syste
     for row in rows:
         assert REQUIRED_KEYS <= set(row), REQUIRED_KEYS - set(row)
         assert row["sync_bytes"] > 0
+    # Every engine sampled with log-probs and compiled nothing (an eager CPU engine runs without
+    # torch.compile: rollout/worker.py no_compile; vLLM compiled a sampler helper here before).
+    assert [ray.get(w.__ray_call__.remote(compiled_graphs())) for w in roles.rollout.workers] == [0, 0]
     # Every rank holds the same, changed weights (data parallel: same update everywhere).
     changed = [name for name in before[0] if not torch.equal(before[0][name], after[0][name])]
     assert changed, "no learner parameter changed after two GRPO steps"

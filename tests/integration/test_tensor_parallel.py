@@ -10,7 +10,7 @@ from dataclasses import replace
 import ray
 
 from cluster.sync_channel import WeightSyncChannel
-from helpers import GRPO, engine_state, run, small_overrides, warmed_learner
+from helpers import GRPO, compiled_graphs, engine_state, run, small_overrides, warmed_learner
 from rollout.pool import RolloutPool
 from rollout.worker import GenerationWorker, cpu_thread_binding
 
@@ -32,6 +32,11 @@ def test_a_tp2_engine_syncs_exactly(learners, system_cfg, tmp_path):
             channel.push(3)
             assert pool.versions() == [3]
             synced = engine_state(pool.workers[0])
+            # Prompt log-probs went through vLLM's sampler helper in both rank processes: nothing
+            # was compiled there either (rollout/worker.py no_compile reaches the ranks).
+            count = compiled_graphs()
+            graphs = ray.get(pool.workers[0].__ray_call__.remote(lambda w: w.llm.collective_rpc(count)))
+            assert graphs == [0, 0], graphs
             folder = learner.save_pretrained(str(tmp_path / "saved"))
     finally:
         pool.shutdown()  # one TP-2 engine at a time: this machine's memory

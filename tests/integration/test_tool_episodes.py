@@ -91,6 +91,13 @@ def worker(tool_model):
     yield worker
     os.environ.pop("GRPO_SECRET", None)
     Path(SECRET_FILE).unlink(missing_ok=True)
+    # An eager CPU engine turns torch.compile off in its process (rollout/worker.py no_compile):
+    # this one is the test process, whose later tests should not depend on it having run.
+    import torch._dynamo
+
+    torch._dynamo.config.disable = False
+    for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
+        os.environ.pop(name, None)
 
 
 class Tap:
