@@ -254,8 +254,7 @@ class CriticUpdate(GroupUpdate):
                                                  fixed.extra["returns"][rows, :T - 1], batch.mask[rows, :T - 1],
                                                  self.algo.value_clip)
             self.critic.backward(loss * share if share != 1.0 else loss)
-            for key, value in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + share * value.double()
+            _accumulate(metrics, micro_metrics, 1.0, share)  # value_*: TOKEN_MEANS, by the tokens' share
         self.critic.step()
         metrics["kl"] = grpo.masked_mean(fixed.extra["kl"][mb], batch.mask[mb]).double()  # this minibatch's token mean
         return metrics

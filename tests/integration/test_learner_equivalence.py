@@ -200,9 +200,8 @@ def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(learners
     assert other_metrics["micro_batches"] > 1 if micro_tokens else other_metrics["micro_batches"] == 1
     # The metrics are the whole batch's, however it is cut: the entropy is the token mean (length-
     # sorted micro-batches averaged alike gave the longest rows' micro-batch the weight of all others).
-    entropy = plain_entropy
-    assert metrics["entropy"] == pytest.approx(entropy, rel=1e-5)
-    assert other_metrics["entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(plain_entropy, rel=1e-5)
+    assert other_metrics["entropy"] == pytest.approx(plain_entropy, rel=1e-5)
     assert other_metrics["loss_tokens"] == metrics["loss_tokens"] == sum(len(c) for g in batch for c in g.completion_ids)
 
 
