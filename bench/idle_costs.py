@@ -64,7 +64,7 @@ def rebuild(cache: str) -> None:
         return usage.ru_utime + usage.ru_stime
 
     cfg = _config(cache)
-    outputs, costs = [], []
+    outputs, costs, worker = [], [], None
     for attempt in range(2):
         if attempt:
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory

@@ -30,7 +30,7 @@ def math_items(n: int, rng: random.Random):
 
 def code_items(n: int, rng: random.Random):
     items = []
-    for i in range(n):
+    for _ in range(n):
         k = rng.randint(1, 9)
         body = f"return x + {k}" if rng.random() < 0.7 else "return x"
         completion = f"<think>add</think><answer>```python\ndef add(x):\n    {body}\n```</answer>"
@@ -68,13 +68,13 @@ def main() -> None:
     for name, items in workloads.items():
         settings = RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0)
         call = build_verifiers(settings)[name]
-        inproc = best_of(args.repeats, lambda: [call(*item) for item in items])
+        inproc = best_of(args.repeats, lambda call=call, items=items: [call(*item) for item in items])
         rates = {}
         for workers in (1, 2):
             pool = VerifierPool(RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0,
                                              num_workers=workers, num_cpus_per_worker=0.5))
             pool.ready()
-            rates[workers] = len(items) / best_of(args.repeats, lambda: pool.score_items(items))
+            rates[workers] = len(items) / best_of(args.repeats, lambda pool=pool, items=items: pool.score_items(items))
             pool.shutdown()
         rows.append((name, len(items), len(items) / inproc, rates[1], rates[2]))
     ray.shutdown()

@@ -251,19 +251,24 @@ def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits()
         os.close(read_fd)
         if proc.poll() is None:
             _kill(proc)
-    seconds = time.monotonic() - start
+    return _verdict(proc.returncode, report, nonce, timed_out, time.monotonic() - start, output)
+
+
+def _verdict(returncode: Optional[int], report: str, nonce: str, timed_out: bool, seconds: float,
+             output: str) -> SandboxResult:
+    """What a finished sandbox run means: passed only with a clean exit and the run's own nonce."""
     if timed_out:
         return SandboxResult(False, True, "timeout", seconds, output)
-    if proc.returncode == 0 and report == f"ok {nonce}":
+    if returncode == 0 and report == f"ok {nonce}":
         return SandboxResult(True, False, "", seconds, output)
     if report.startswith("error "):
         return SandboxResult(False, False, report[6:].splitlines()[0][:300], seconds, output)
-    if proc.returncode and proc.returncode < 0:
-        error = f"killed by {signal.Signals(-proc.returncode).name}"
-    elif proc.returncode and proc.returncode > 128:
-        error = f"killed by signal {proc.returncode - 128}"
+    if returncode and returncode < 0:
+        error = f"killed by {signal.Signals(-returncode).name}"
+    elif returncode and returncode > 128:
+        error = f"killed by signal {returncode - 128}"
     else:
-        error = f"exited with status {proc.returncode} before the tests finished"
+        error = f"exited with status {returncode} before the tests finished"
     return SandboxResult(False, False, error, seconds, output)
 
 

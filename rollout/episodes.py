@@ -58,50 +58,98 @@ def run_episodes(engine, tokenizer, episodes: List[Episode], params: Callable, t
                  greedy: bool) -> Dict[str, float]:
     """Advance every episode to its end; `params(episode, turn, max_tokens)` gives a turn's
     SamplingParams. Returns the tool stats of the call (summed)."""
-    requests: Dict[str, int] = {}
-    calls: Dict[int, object] = {}
-    waited = 0.0
-    tag = f"ep{time.monotonic_ns()}"
+    loop = _EpisodeLoop(engine, tokenizer, episodes, params, toolbox, fmt, limits, greedy)
+    loop.run()
+    return {
+        "turns": float(sum(e.turns for e in episodes)),
+        "tool_calls": float(sum(e.calls for e in episodes)),
+        "tool_errors": float(sum(e.errors for e in episodes)),
+        "tool_timeouts": float(sum(e.timeouts for e in episodes)),
+        "tool_seconds": sum(e.tool_seconds for e in episodes),
+        "tool_wait_seconds": loop.waited,
+        "observation_tokens": float(sum(e.observation_tokens for e in episodes)),
+    }
 
-    def start_turn(i: int) -> None:
-        ep = episodes[i]
+
+class _EpisodeLoop:
+    """One call of run_episodes: engine requests and tool calls in flight, keyed by episode."""
+
+    def __init__(self, engine, tokenizer, episodes: List[Episode], params: Callable, toolbox, fmt,
+                 limits: Limits, greedy: bool):
+        self.engine, self.tokenizer, self.episodes, self.params = engine, tokenizer, episodes, params
+        self.toolbox, self.fmt, self.limits, self.greedy = toolbox, fmt, limits, greedy
+        self.requests: Dict[str, int] = {}
+        self.calls: Dict[int, object] = {}
+        self.waited = 0.0
+        self.tag = f"ep{time.monotonic_ns()}"
+
+    def run(self) -> None:
+        for i in range(len(self.episodes)):
+            self.start_turn(i)
+        while self.requests or self.calls:
+            if self.requests:
+                for out in self.engine.step():
+                    if out.finished:
+                        self.turn_done(self.requests.pop(out.request_id), out)
+            for i in self.ready_calls():
+                self.observed(i)
+
+    def ready_calls(self) -> List[int]:
+        """Episodes whose tool call has an answer; with only tools left, sleeps until one has."""
+        now = time.monotonic()
+        ready = [i for i, c in self.calls.items() if c.ready(now)]
+        if not ready and self.calls and not self.requests:  # only tools left: sleep until one is done or due
+            started = time.monotonic()
+            futures = [c.future for c in self.calls.values() if c.future is not None]
+            due = min(c.deadline for c in self.calls.values()) - now
+            if futures:
+                wait(futures, timeout=max(due, 0.0), return_when=FIRST_COMPLETED)
+            self.waited += time.monotonic() - started
+            now = time.monotonic()
+            ready = [i for i, c in self.calls.items() if c.ready(now)]
+        return ready
+
+    def start_turn(self, i: int) -> None:
+        ep, limits = self.episodes[i], self.limits
         room = min(limits.max_new_tokens, limits.max_episode_tokens - len(ep.ids),
                    limits.max_model_len - len(ep.prompt_ids) - len(ep.ids))
         if room <= 0:
             ep.finish = "length"
             return
         prompt = {"prompt_token_ids": list(ep.prompt_ids) + ep.ids}
-        request_id = f"{tag}-{i}-{ep.turns}"  # outputs carry this id (vLLM adds a suffix inside)
-        engine.add_request(request_id, prompt, params(ep, ep.turns, room))
-        requests[request_id] = i
+        request_id = f"{self.tag}-{i}-{ep.turns}"  # outputs carry this id (vLLM adds a suffix inside)
+        self.engine.add_request(request_id, prompt, self.params(ep, ep.turns, room))
+        self.requests[request_id] = i
 
-    def turn_done(i: int, out) -> None:
-        ep, sample = episodes[i], out.outputs[0]
+    def turn_done(self, i: int, out) -> None:
+        ep, sample = self.episodes[i], out.outputs[0]
         ids = list(sample.token_ids)
         ep.ids += ids
         ep.mask += [1] * len(ids)
         ep.logprobs += ([float(step[t].logprob) for t, step in zip(ids, sample.logprobs)]
-                        if not greedy and sample.logprobs else [0.0] * len(ids))
+                        if not self.greedy and sample.logprobs else [0.0] * len(ids))
         ep.model_text.append(sample.text)
         ep.transcript.append(sample.text)
         ep.turns += 1
-        if sample.finish_reason != "stop" or sample.stop_reason not in fmt.stop:
+        if sample.finish_reason != "stop" or sample.stop_reason not in self.fmt.stop:
             ep.finish = sample.finish_reason or "length"  # ended without a call (EOS, a stop, the budget)
             return
-        if ep.turns >= limits.max_turns:
+        if ep.turns >= self.limits.max_turns:
             ep.finish = "length"  # a call with no turn left to read its result
             return
-        call = fmt.parse(sample.text)
+        call = self.fmt.parse(sample.text)
         ep.calls += 1
-        calls[i] = toolbox.submit(call.name, call.arguments) if call.error is None else toolbox.malformed(call.error)
+        self.calls[i] = (self.toolbox.submit(call.name, call.arguments) if call.error is None
+                         else self.toolbox.malformed(call.error))
 
-    def observed(i: int) -> None:
-        ep, obs = episodes[i], calls.pop(i).observation(toolbox.max_chars)
+    def observed(self, i: int) -> None:
+        ep, obs = self.episodes[i], self.calls.pop(i).observation(self.toolbox.max_chars)
         ep.errors += obs.error
         ep.timeouts += obs.timed_out
         ep.tool_seconds += obs.seconds
-        text = fmt.observation_text(obs.text)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = self.fmt.observation_text(obs.text)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        limits = self.limits
         room = min(limits.max_episode_tokens - len(ep.ids), limits.max_model_len - len(ep.prompt_ids) - len(ep.ids))
         ep.ids += ids[:room]
         ep.mask += [0] * len(ids[:room])
@@ -110,34 +158,4 @@ def run_episodes(engine, tokenizer, episodes: List[Episode], params: Callable, t
         if len(ids) >= room:
             ep.finish = "length"
             return
-        start_turn(i)
-
-    for i in range(len(episodes)):
-        start_turn(i)
-    while requests or calls:
-        if requests:
-            for out in engine.step():
-                if out.finished:
-                    turn_done(requests.pop(out.request_id), out)
-        now = time.monotonic()
-        ready = [i for i, c in calls.items() if c.ready(now)]
-        if not ready and calls and not requests:  # only tools left: sleep until one is done or due
-            started = time.monotonic()
-            futures = [c.future for c in calls.values() if c.future is not None]
-            due = min(c.deadline for c in calls.values()) - now
-            if futures:
-                wait(futures, timeout=max(due, 0.0), return_when=FIRST_COMPLETED)
-            waited += time.monotonic() - started
-            now = time.monotonic()
-            ready = [i for i, c in calls.items() if c.ready(now)]
-        for i in ready:
-            observed(i)
-    return {
-        "turns": float(sum(e.turns for e in episodes)),
-        "tool_calls": float(sum(e.calls for e in episodes)),
-        "tool_errors": float(sum(e.errors for e in episodes)),
-        "tool_timeouts": float(sum(e.timeouts for e in episodes)),
-        "tool_seconds": sum(e.tool_seconds for e in episodes),
-        "tool_wait_seconds": waited,
-        "observation_tokens": float(sum(e.observation_tokens for e in episodes)),
-    }
+        self.start_turn(i)

@@ -214,8 +214,8 @@ def test_aggregations_hand_worked():
     lp = torch.zeros(2, 3, dtype=D)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])                # 0/1 mask works like bool
     adv = torch.tensor([3.0, 1.0], dtype=D)
-    f = lambda agg: float(policy_loss(lp, lp, None, adv, mask, beta=0.0, loss_agg=agg,
-                                      max_length=4)[0])
+    def f(agg):
+        return float(policy_loss(lp, lp, None, adv, mask, beta=0.0, loss_agg=agg, max_length=4)[0])
     assert f("seq-mean-token-mean") == pytest.approx(-(3 + 1) / 2)
     assert f("token-mean") == pytest.approx(-(3 + 1 + 1 + 1) / 4)
     assert f("seq-mean-token-sum-norm") == pytest.approx(-(3 / 4 + 3 / 4) / 2)
