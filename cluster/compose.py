@@ -9,7 +9,7 @@ import difflib
 import os
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -125,16 +125,26 @@ def resolve_auto(cfg: Config) -> None:
         cfg.rollout.enforce_eager = not on_gpu
 
 
-def check_gpu_layout(cfg: Config, cluster_gpus: float) -> None:
+def check_gpu_layout(cfg: Config, cluster_gpus: float, learner_gpus: Optional[float] = None) -> None:
     """No two roles on one GPU by accident (NCCL refuses two ranks on one GPU, and a second vLLM
-    engine on a GPU fails its free-memory check)."""
+    engine on a GPU fails its free-memory check), and no role left on CPUs by accident.
+
+    `learner_gpus`: the GPUs of the nodes the learner may use (`cluster.nodes.learner`; all of
+    the cluster's when None). A learner left at `num_gpus_per_rank=0` where its nodes have GPUs
+    would train in fp32 over gloo on CPUs without a word; one placed on CPU-only nodes on
+    purpose (a label no GPU node carries) is let be."""
     tp = cfg.rollout.tensor_parallel_size
+    learner_gpus = cluster_gpus if learner_gpus is None else learner_gpus
     if cluster_gpus > 0 and os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
         raise ConfigError("VLLM_BATCH_INVARIANT=1 is not supported on GPUs: it pins NCCL settings inside the "
                           "engines that the learner's weight-sync sender does not share; unset it")
     if cluster_gpus > 0 and cfg.rollout.num_gpus_per_worker == 0:
         raise ConfigError(f"the cluster has {cluster_gpus:g} GPUs but rollout.num_gpus_per_worker=0: every vLLM "
                           f"engine would see all of them and use GPU 0; set rollout.num_gpus_per_worker={tp}")
+    if learner_gpus > 0 and cfg.learner.num_gpus_per_rank == 0:
+        raise ConfigError(f"the learner's nodes have {learner_gpus:g} GPUs but learner.num_gpus_per_rank=0: it would "
+                          "train on CPUs in fp32 over gloo; set learner.num_gpus_per_rank=1 (or name CPU-only nodes "
+                          "in cluster.nodes.learner)")
 
 
 def validate(cfg: Config) -> None:

@@ -125,12 +125,22 @@ def check_local_resources(cfg: Config, roles=ROLES) -> None:
 def _check_nodes(cfg: Config, nodes, cluster_gpus: float, roles) -> None:
     from cluster.compose import check_gpu_layout
 
-    check_gpu_layout(cfg, cluster_gpus)
+    check_gpu_layout(cfg, cluster_gpus, _learner_gpus(cfg, nodes, cluster_gpus) if "learner" in roles else 0.0)
     missing = check(cfg, nodes, roles)
     if missing:
         raise ConfigError(
             f"the actors need {'; '.join(missing)}: lower rollout/learner/reward num_workers, num_ranks "
             "or their num_cpus_*/num_gpus_*, add nodes (or raise ray.num_cpus locally)")
+
+
+def _learner_gpus(cfg: Config, nodes, cluster_gpus: float) -> float:
+    """GPUs on the nodes the learner may run on: those with its `cluster.nodes.learner` resource,
+    or the whole cluster's when it names none."""
+    label = cfg.cluster.nodes.learner
+    if not label:
+        return cluster_gpus
+    return sum(n["Resources"].get("GPU", 0.0) for n in nodes
+               if n.get("Alive", True) and n["Resources"].get(label, 0) > 0)
 
 
 def node_cpus() -> int:

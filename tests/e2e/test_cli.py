@@ -155,7 +155,7 @@ def test_verify_rejects_a_file_that_is_not_utf8(tmp_path):
     assert result.returncode == 2 and "line 1: not UTF-8" in result.stderr
 
 
-@pytest.mark.parametrize("case", ["engines without GPUs", "batch-invariant engines"])
+@pytest.mark.parametrize("case", ["engines without GPUs", "batch-invariant engines", "a learner without GPUs"])
 def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
     """A local Ray with 2 fake GPUs. The default rollout.num_gpus_per_worker=0 would put every
     engine on GPU 0 of each node; VLLM_BATCH_INVARIANT pins NCCL settings the sender does not
@@ -164,12 +164,33 @@ def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
     args, env, words = [], {}, "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0"
     if case == "batch-invariant engines":
         args, env, words = ["rollout.num_gpus_per_worker=1"], {"VLLM_BATCH_INVARIANT": "1"}, "VLLM_BATCH_INVARIANT=1"
+    if case == "a learner without GPUs":  # it would train in fp32 over gloo on CPUs without a word
+        args, words = ["rollout.num_gpus_per_worker=1"], "have 2 GPUs but learner.num_gpus_per_rank=0"
     result = run(GRPO, "train", "ray.num_gpus=2", "logger=none", f"trainer.output_dir={tmp_path}",
                  f"model.cache_dir={tmp_path / 'models'}", *args, env=env, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr
     assert "Ray" not in result.stdout
+
+
+def test_a_joined_gpu_cluster_refuses_a_cpu_learner_before_any_actor(tmp_path, model_cache):
+    """Joining a running Ray (ray.address) its GPUs are known only once joined: a real Ray
+    head with 2 fake GPUs, and a learner left at num_gpus_per_rank=0 stops the run with exit 2
+    and one line naming the key, before any actor starts."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 2,
+                                                            "object_store_memory": 100 * 2**20})
+    try:
+        result = run(GRPO, "train", f"ray.address={cluster.address}", "rollout.num_gpus_per_worker=1", "logger=none",
+                     f"trainer.output_dir={tmp_path}", f"model.cache_dir={model_cache}", timeout=300)
+    finally:
+        cluster.shutdown()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "have 2 GPUs but learner.num_gpus_per_rank=0" in lines[0], result.stderr
+    assert "Ray dashboard" in result.stdout and "actors ready" not in result.stdout, result.stdout
 
 
 def test_ctrl_c_lets_everything_go(tmp_path, model_cache):

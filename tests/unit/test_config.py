@@ -307,3 +307,23 @@ def test_a_local_rays_resources_are_checked_before_it_starts(monkeypatch):
     check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2", "ray.address=10.0.0.1:6379"]))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     check_local_resources(load_config(["rollout.num_workers=9", "ray.num_cpus=2"]))
+
+
+def test_a_gpu_cluster_refuses_a_learner_left_on_cpus(monkeypatch):
+    """GPUs in the cluster and learner.num_gpus_per_rank=0 would train in fp32 over gloo
+    without a word: refused, naming the key. A learner put on CPU-only nodes on purpose (its
+    cluster.nodes label on no GPU node) and `grpo eval` (no learner) are let be."""
+    from cluster.preflight import _check_nodes, check_local_resources
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    on_gpus = ["rollout.num_gpus_per_worker=1", "ray.num_cpus=8"]
+    with pytest.raises(ConfigError, match=r"have 2 GPUs but learner.num_gpus_per_rank=0") as refused:
+        check_local_resources(load_config(on_gpus + ["ray.num_gpus=2"]))
+    assert "\n" not in str(refused.value)
+    check_local_resources(load_config(on_gpus + ["ray.num_gpus=4", "learner.num_gpus_per_rank=1"]))
+    check_local_resources(load_config(on_gpus + ["ray.num_gpus=2"]), ("rollout", "reward"))
+    labelled = load_config(["rollout.num_gpus_per_worker=1", "cluster.nodes.learner=train"])
+    gpu_node, cpu_node = {"CPU": 8, "GPU": 2}, {"CPU": 8, "train": 1}
+    _check_nodes(labelled, [{"Alive": True, "Resources": r} for r in (gpu_node, cpu_node)], 2.0, ("rollout", "learner"))
+    with pytest.raises(ConfigError, match="learner.num_gpus_per_rank=0"):
+        _check_nodes(labelled, [{"Alive": True, "Resources": {**gpu_node, "train": 1}}], 2.0, ("rollout", "learner"))
