@@ -235,6 +235,27 @@ def received_buckets(sync_group: SyncGroup, spec: WeightSpec, timings: Dict[str,
         yield bucket, flat
 
 
+class PartialLoadError(RuntimeError):
+    """A push left some of an engine's parameters at their old values."""
+
+
+def check_loaded(expected: Sequence[str], loaded: Optional[Sequence[str]]) -> None:
+    """Raise PartialLoadError when a push did not load every parameter the engine has.
+
+    `expected`: the engine's parameter names before the push; `loaded`: what its model's
+    `load_weights` reported loading (None: the model reports nothing, so nothing can be told).
+    vLLM itself only logs a warning ("Following weights were not loaded") that never reaches
+    the driver, and the engine would then sample from a policy half old, half new."""
+    if loaded is None:
+        return
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise PartialLoadError(
+            f"the weight push loaded {len(expected) - len(missing)} of the engine's {len(expected)} parameters; "
+            f"not loaded, left at their old values: {shown} (the learner's names miss these)")
+
+
 def settle(sync_group: SyncGroup) -> None:
     """Wait until every broadcast issued on this group has really moved its bytes. On NCCL,
     `Work.wait()` only orders the GPU stream and returns before any byte moved: a clock read

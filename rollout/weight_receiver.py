@@ -7,6 +7,7 @@ broadcast from learner rank 0.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterator, Tuple
 
@@ -26,15 +27,21 @@ class WeightReceiver:
         The buckets are received lazily, as the loader asks for the next tensor: the engine
         never stages a second full copy of the model. Loading must go through the reload
         lifecycle: vLLM post-processes layers after the first load, and a plain
-        `model.load_weights` on a running CPU engine fails.
+        `model.load_weights` on a running CPU engine fails. Every parameter of the engine must
+        then have been loaded, or PartialLoadError: the actor does not report the new version.
         """
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
         start = time.perf_counter()
         timings: dict = {}
-        # The worker's own reload_weights (not its model runner's): it sets vLLM's config context
-        # that the layerwise reload reads.
-        self.reload_weights(weights_iterator=self._receive(spec, timings), is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        expected = [name for name, _ in model.named_parameters()]
+        with recorded_loads(model) as loaded:
+            # The worker's own reload_weights (not its model runner's): it sets vLLM's config
+            # context that the layerwise reload reads.
+            self.reload_weights(weights_iterator=self._receive(spec, timings), is_checkpoint_format=True)
         weight_sync.settle(self._sync_group)
+        # Every bucket was received whatever the check finds: the group stays in step for the next push.
+        weight_sync.check_loaded(expected, loaded.get("names"))
         return {"load_s": time.perf_counter() - start, "wait_s": timings.get("wait_s", 0.0)}
 
     def _receive(self, spec: weight_sync.WeightSpec, timings: dict) -> Iterator[Tuple[str, "object"]]:
@@ -56,3 +63,27 @@ class WeightReceiver:
         """Sum of each parameter by name, for tests that compare engines."""
         model = self.model_runner.get_model()
         return {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def recorded_loads(model):
+    """Within the block, what `model.load_weights` reports it loaded lands in the yielded
+    dict's "names" (vLLM's reload computes that set, only to log a warning). The model's own
+    method is shadowed on the instance for the block and restored after it."""
+    record: dict = {}
+    own = model.__dict__.get("load_weights")
+    original = model.load_weights
+
+    def load_weights(weights):
+        names = original(weights)
+        record["names"] = None if names is None else set(names)
+        return names
+
+    model.load_weights = load_weights
+    try:
+        yield record
+    finally:
+        if own is None:
+            del model.load_weights
+        else:
+            model.load_weights = own

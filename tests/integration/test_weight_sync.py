@@ -74,6 +74,40 @@ def test_synced_workers_equal_a_fresh_engine_from_saved_weights(model_and_worker
     assert metrics["sync_bytes"] > 0 and metrics["sync_gbps"] > 0
 
 
+VICTIM = "model.layers.0.mlp.down_proj.weight"
+
+
+def test_a_push_that_misses_a_parameter_fails_and_the_workers_keep_their_version(untied_workers, learners):
+    """vLLM only logs "Following weights were not loaded" and would report the new version with
+    one layer at its old weights. A push whose names miss one of the engine's parameters (the
+    learner's spec without it), or send it under a name vLLM's loader drops without a word (a
+    `.bias` the layer does not have), fails with an error naming it, and no worker reports the
+    version. Every bucket was still received: the next whole push goes through."""
+    cfg, pool = untied_workers
+    with warmed_learner(learners, cfg, 2) as learner:
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=1, timeout_s=120,
+                                    transport="broadcast")
+        channel.push(1)
+        whole = copy.deepcopy(channel.spec)
+        channel.spec["tensors"] = [t for t in whole["tensors"] if t[0] != VICTIM]
+        with pytest.raises(WeightSyncError, match=f"loaded .* parameters; not loaded.*{VICTIM}"):
+            channel.push(2)
+        assert pool.versions() == [1, 1]
+        renamed = copy.deepcopy(whole)
+        renamed["tensors"] = [[VICTIM.replace(".weight", ".bias") if n == VICTIM else n, shape]
+                              for n, shape in whole["tensors"]]
+        sends = [r.broadcast_weights.remote(whole) for r in learner.ranks]
+        receives = [w.receive_weights.remote(renamed, 3) for w in pool.workers]
+        ray.get(sends, timeout=120)
+        for ref in receives:
+            with pytest.raises(ray.exceptions.RayTaskError, match=f"PartialLoadError.*not loaded.*{VICTIM}"):
+                ray.get(ref, timeout=120)
+        assert pool.versions() == [1, 1]
+        channel.spec = whole
+        channel.push(4)
+        assert pool.versions() == [4, 4]
+
+
 def test_a_sync_to_a_dead_worker_ends_in_an_error_not_a_hang(untied_workers, learners):
     """Last in this module: it kills one of the untied pool's workers for good (no second pool:
     two test workers' engines already fill most of this machine's memory)."""

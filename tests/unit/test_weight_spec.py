@@ -26,3 +26,16 @@ def test_pack_then_unpack_gives_the_tensors_back():
     for packed in (flat, into):
         out = dict(weight_sync.unpack(packed, bucket))
         assert torch.equal(out["x"].float(), tensors[0]) and torch.equal(out["y"].float(), tensors[1])
+
+
+def test_a_push_that_left_a_parameter_unloaded_is_an_error_naming_it():
+    import pytest
+
+    names = [f"layer{i}.weight" for i in range(5)]
+    weight_sync.check_loaded(names, set(names))
+    weight_sync.check_loaded(names, set(names) | {"extra"})  # an alias vLLM reports as loaded too
+    weight_sync.check_loaded(names, None)  # a model whose loader reports nothing: nothing to tell
+    with pytest.raises(weight_sync.PartialLoadError, match=r"loaded 4 of the engine's 5 parameters.*layer3.weight"):
+        weight_sync.check_loaded(names, set(names) - {"layer3.weight"})
+    with pytest.raises(weight_sync.PartialLoadError, match=r"layer0.weight, layer1.weight, layer2.weight and 2 more"):
+        weight_sync.check_loaded(names, set())
