@@ -117,8 +117,12 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
 
 
 def resolve_auto(cfg: Config) -> None:
-    """Settings whose default depends on the device: the rollout's dtype and CUDA graphs."""
+    """Settings whose default depends on the device: the rollout's dtype, CUDA graphs and
+    seeded sampling."""
+    from rollout.worker import sampling_is_seeded
+
     on_gpu = cfg.rollout.num_gpus_per_worker > 0
+    cfg.rollout.seeded_sampling = sampling_is_seeded(cfg.rollout.seeded_sampling, on_gpu)
     if cfg.rollout.dtype == "auto":
         cfg.rollout.dtype = "bfloat16" if on_gpu else "float32"
     if cfg.rollout.enforce_eager is None:

@@ -11,7 +11,7 @@ instant and happen before any actor starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 
 class ConfigError(ValueError):
@@ -254,6 +254,17 @@ class RolloutConfig(Section):
     than bfloat16 on vLLM's CPU build for the tiny model), bfloat16 when the workers have GPUs."""
     enforce_eager: Optional[bool] = None
     """vLLM without CUDA graphs. None: eager on CPUs, CUDA graphs on GPUs."""
+    seeded_sampling: Union[str, bool] = one_of(("auto", True, False))
+    """A seed of its own for each prompt's samples (from trainer.seed, the step and the prompt).
+    `true`: a prompt's samples depend only on the weights and its seed, not on which engine
+    draws it or what shares its batch, so a run and its resume repeat their samples (bitwise on
+    CPUs; on GPUs up to their kernels' own nondeterminism); on GPUs vLLM then draws each seeded
+    request's tokens one by one at every decode step. `false`: requests carry no seed and each
+    engine's sampler is seeded once per generate call from that call's prompts: the GPU sampler
+    draws for the whole batch at once, and samples repeat only when the same prompts reach an
+    engine with the same weights and are batched the same way (a chunk that another worker
+    takes after a restart, or that vLLM batches or preempts differently, samples differently).
+    `auto`: true on CPU engines (num_gpus_per_worker=0), where seeds cost nothing; false on GPUs."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts (evaluation is greedy)."""
     top_p: float = 1.0

@@ -1,7 +1,8 @@
 """vLLM worker extension: the receiving end of the weight-sync channel.
 
 vLLM mixes this class into each of its workers (`worker_extension_cls`), so `self` is the worker
-(one per tensor-parallel rank) and its methods are reached through `LLM.collective_rpc`. Tensors
+(one per tensor-parallel rank) and its methods are reached through `LLM.collective_rpc`; besides
+the weights it seeds the sampler of unseeded requests (`reseed`). Tensors
 cannot travel through that RPC, so only the small spec comes by RPC and the bytes come by
 broadcast from learner rank 0.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import time
 from typing import Iterator, Tuple
+
+import torch
 
 from common import weight_sync
 
@@ -58,6 +61,11 @@ class WeightReceiver:
                                                                               self._sync_group.device))
         weight_sync.settle(self._sync_group)
         return {"load_s": time.perf_counter() - start}
+
+    def reseed(self, seed: int) -> None:
+        """Seed this worker process's default generators (CPU and every GPU), which vLLM's
+        sampler draws from for requests without a seed of their own (rollout.seeded_sampling=false)."""
+        torch.manual_seed(seed)
 
     def weights_checksum(self) -> dict:
         """Sum of each parameter by name, for tests that compare engines."""

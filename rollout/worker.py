@@ -45,6 +45,7 @@ class GenerationWorker:
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
+        self.seeded = sampling_is_seeded(rollout_cfg.seeded_sampling, not current_platform.is_cpu())
         # On CPU the KV cache is a fixed size (fractions of a GiB allowed, unlike the legacy
         # VLLM_CPU_KVCACHE_SPACE, which still wins if set); on GPU gpu_memory_utilization rules.
         kv_bytes = int(rollout_cfg.kv_cache_gib * 2**30) if current_platform.is_cpu() else None
@@ -168,6 +169,7 @@ class GenerationWorker:
         prompt makes it reproducible whichever worker runs it. Returns the groups, then stats.
         `temperature` replaces rollout.temperature (evaluation samples at eval.temperature)."""
         version = self.policy_version  # weights change only between calls, never during one
+        seeds = self._request_seeds(seeds, greedy)
         if self.tools is not None:
             return self._episodes(prompts, n, greedy, seeds, temperature, version)
         rust = self._rust_tokenizer
@@ -196,12 +198,21 @@ class GenerationWorker:
         }
         return (*groups, stats)
 
-    def _episodes(self, prompts, n: int, greedy: bool, seeds: Sequence[int], temperature, version: int):
+    def _request_seeds(self, seeds: Sequence[int], greedy: bool) -> Sequence[Optional[int]]:
+        """The seeds the requests carry: the prompts' own (rollout.seeded_sampling), or none,
+        the engine's sampler then seeded once for the call from the prompts' seeds."""
+        if self.seeded or greedy:
+            return seeds
+        self.llm.collective_rpc("reseed", args=(hash(tuple(seeds)) % (2**31),))
+        return [None] * len(seeds)
+
+    def _episodes(self, prompts, n: int, greedy: bool, seeds: Sequence[Optional[int]], temperature, version: int):
         """`generate` with tools: n multi-turn episodes per prompt, all advancing together."""
         from rollout.episodes import Episode, Limits, run_episodes
 
         c = self.cfg
-        episodes = [Episode(prompt_ids=self.tokenizer(p[1])["input_ids"], seed=None if greedy else seed * 1009 + j)
+        episodes = [Episode(prompt_ids=self.tokenizer(p[1])["input_ids"],
+                            seed=None if greedy or seed is None else seed * 1009 + j)
                     for p, seed in zip(prompts, seeds) for j in range(n)]
 
         def params(ep, turn: int, max_tokens: int):
@@ -258,6 +269,12 @@ class GenerationWorker:
     def weights_checksum(self) -> list:
         """Per tensor-parallel rank, the sum of each parameter (its shard) by name."""
         return self.llm.collective_rpc("weights_checksum")
+
+
+def sampling_is_seeded(setting, on_gpu: bool) -> bool:
+    """rollout.seeded_sampling resolved: `auto` seeds each prompt on CPU engines only (on GPUs
+    vLLM samples seeded requests one at a time)."""
+    return not on_gpu if setting == "auto" else bool(setting)
 
 
 def cpu_thread_binding(cpus: Sequence[int], ranks: int) -> str:

@@ -96,6 +96,27 @@ def test_completion_texts_are_the_texts_vllm_detokenizes(roles, system_cfg):
     assert sum(a != b for a, b in zip(vllm, plain)) > 5, "the hot samples should hold cut UTF-8 characters"
 
 
+def test_seeded_samples_are_the_same_whichever_worker_draws_them(roles, system_cfg):
+    """rollout.seeded_sampling resolves to true on CPU engines: each prompt's samples depend on
+    its seed and the weights only, the same on either worker, drawn again, or drawn alone."""
+    assert roles.rollout.cfg.seeded_sampling is True
+    train_set = load_problems(system_cfg.data, system_cfg.trainer.seed).train
+    batch = [(i, p.prompt, p.solution, {}) for i, p in enumerate(train_set[:6])]
+    seeds = [101 + i for i in range(len(batch))]
+    workers = roles.rollout.workers
+    assert len(set(roles.rollout.versions())) == 1
+
+    def ids(worker, prompts, prompt_seeds):
+        groups = ray.get(worker.generate.remote(*prompts, n=4, greedy=False, seeds=prompt_seeds))[:-1]
+        return [g.completion_ids for g in groups]
+
+    first = ids(workers[0], batch, seeds)
+    assert ids(workers[1], batch, seeds) == first
+    assert ids(workers[0], batch, seeds) == first
+    assert ids(workers[1], batch[2:3], seeds[2:3]) == first[2:3]
+    assert ids(workers[0], batch, [s + 1 for s in seeds]) != first
+
+
 def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
     """Did accuracy on n problems rise by more than z standard errors of the difference of two
     proportions? A machine-independent learning check: where the warm-up lands differs

@@ -327,3 +327,44 @@ def test_a_gpu_cluster_refuses_a_learner_left_on_cpus(monkeypatch):
     _check_nodes(labelled, [{"Alive": True, "Resources": r} for r in (gpu_node, cpu_node)], 2.0, ("rollout", "learner"))
     with pytest.raises(ConfigError, match="learner.num_gpus_per_rank=0"):
         _check_nodes(labelled, [{"Alive": True, "Resources": {**gpu_node, "train": 1}}], 2.0, ("rollout", "learner"))
+
+
+@pytest.mark.parametrize("overrides, seeded", [
+    ([], True),  # CPU engines: seeds cost nothing and make a run repeatable
+    (["rollout.num_gpus_per_worker=1"], False),  # GPU engines: off vLLM's one-request-at-a-time path
+    (["rollout.num_gpus_per_worker=1", "rollout.seeded_sampling=true"], True),
+    (["rollout.seeded_sampling=false"], False),
+])
+def test_seeded_sampling_resolves_by_the_engines_device(overrides, seeded):
+    assert load_config(overrides).rollout.seeded_sampling is seeded
+
+
+def test_seeded_sampling_takes_auto_true_or_false_only():
+    with pytest.raises(ConfigError, match="rollout.seeded_sampling must be one of auto, True, False"):
+        load_config(["rollout.seeded_sampling=yes"])
+    with pytest.raises(ConfigError, match="rollout.seeded_sampling"):
+        load_config(["rollout.seeded_sampling=1"])
+
+
+def test_unseeded_requests_seed_the_engine_once_per_call():
+    """seeded_sampling=false: no request carries a seed; the engine's sampler is seeded once per
+    call, from the call's prompt seeds (the same call, the same engine seed). Greedy calls and
+    seeded engines leave the seeds alone."""
+    from types import SimpleNamespace
+
+    from common.config import RolloutConfig
+    from rollout.worker import GenerationWorker, sampling_is_seeded
+
+    assert sampling_is_seeded("auto", on_gpu=False) and not sampling_is_seeded("auto", on_gpu=True)
+    assert sampling_is_seeded(True, on_gpu=True) and not sampling_is_seeded(False, on_gpu=False)
+    calls = []
+    llm = SimpleNamespace(collective_rpc=lambda method, args: calls.append((method, args)))
+    unseeded, seeded = SimpleNamespace(seeded=False, llm=llm), SimpleNamespace(seeded=True, llm=llm)
+    assert GenerationWorker._request_seeds(seeded, [3, 4], False) == [3, 4] and not calls
+    assert GenerationWorker._request_seeds(unseeded, [3, 4], True) == [3, 4] and not calls
+    assert GenerationWorker._request_seeds(unseeded, [3, 4], False) == [None, None]
+    assert GenerationWorker._request_seeds(unseeded, [3, 4], False) == [None, None]
+    GenerationWorker._request_seeds(unseeded, [3, 5], False)
+    assert [c[0] for c in calls] == ["reseed"] * 3
+    assert calls[0] == calls[1] != calls[2]
+    assert GenerationWorker.sampling_params(SimpleNamespace(cfg=RolloutConfig(), format=None), 2, False, None).seed is None
