@@ -14,9 +14,11 @@ extra vocabulary rows are never sampled), then, each stage in its own process:
   on the GPU, timed with a synchronize before the clock is read.
 - `nccl`: two processes on the one GPU try to form the NCCL weight-sync group.
 
-What it cannot show, it prints: a broadcast's bandwidth needs two GPUs (a sync group of world
+It prints what it checks (CHECKED) before it starts and what it cannot (NOT_CHECKED) at the end;
+`--list` prints both and exits. A broadcast's bandwidth needs two GPUs (a sync group of world
 size 1 moves no bytes, and NCCL refuses two ranks on one GPU), and vLLM's CUDA build is not on
-that machine. `--dry-run` runs the same code on the CPU at toy sizes (for CI-less checking).
+that machine. `--dry-run` runs the same code on the CPU at toy sizes: it measures nothing, but
+the test suite runs it (tests/integration/test_gpu_check.py), so the script cannot rot.
 """
 from __future__ import annotations
 
@@ -38,11 +40,29 @@ REAL = dict(hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864
             max_position_embeddings=1024)
 DRY = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, vocab_size=4096,
            max_position_embeddings=1024)
+CHECKED = [
+    "logprobs: chunked log-probs and entropy at the vocabulary against a full float32 log-softmax "
+    "(values, gradients, peak extra memory)",
+    "learner: one LearnerRank in bf16 under ZeRO-2 and ZeRO-3, GRPO steps whose peak memory must follow "
+    "learner.max_tokens_per_microbatch, not the batch",
+    "learner: packing the weights into bf16 buckets on the GPU (rank 0's side of every push)",
+    "nccl: whether two processes on one GPU can form the NCCL weight-sync group",
+]
 NOT_CHECKED = [
     "NCCL broadcast bandwidth: needs two GPUs (world size 1 moves nothing; two ranks on one GPU are refused)",
-    "vLLM on CUDA (engines, tensor parallelism, CUDA graphs, the receiving side of the sync)",
+    "vLLM on CUDA (engines, tensor parallelism, CUDA graphs, the receiving side of the sync and its "
+    "partial-load check)",
+    "the GPU sampler's cost of per-request seeds, and rollout.seeded_sampling=false's repeatability on GPUs",
+    "an engine core child process (vLLM's GPU layout) outliving its actor when the actor dies",
+    "the NCCL sync group's timeout while a receiver is still generating (async mode)",
     "anything across GPUs or nodes (multi-rank ZeRO over NCCL, placement of roles on GPUs)",
 ]
+
+
+def coverage() -> str:
+    """What this script checks and what it cannot, as printed."""
+    return ("Checked on one GPU:\n" + "\n".join(f"- {line}" for line in CHECKED)
+            + "\n\nNot checked on one GPU:\n" + "\n".join(f"- {line}" for line in NOT_CHECKED))
 
 
 def free_port() -> int:
@@ -244,6 +264,7 @@ def run_stage(args: list, timeout: float) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the script, measures nothing")
+    parser.add_argument("--list", action="store_true", help="print what the script checks and what it cannot")
     parser.add_argument("--stage", default=None, help="internal: run one stage in this process")
     parser.add_argument("--zero", type=int, default=2)
     parser.add_argument("--model", default=None)
@@ -257,6 +278,13 @@ def main() -> int:
     if args.stage == "learner":
         print("RESULT " + json.dumps(learner_stage(args.model, args.zero, shape["vocab_size"], shape)), flush=True)
         return 0
+    if args.list:
+        print(coverage())
+        return 0
+    print("Checked on one GPU:\n" + "\n".join(f"- {line}" for line in CHECKED) + "\n", flush=True)
+    if args.dry_run:
+        print("--dry-run: toy sizes on the CPU; the figures below check the script, they measure nothing\n",
+              flush=True)
     dry = ["--dry-run"] if args.dry_run else []
     started = time.perf_counter()
     model = build_model(shape, args.cache)
