@@ -6,7 +6,9 @@ The payloads go from worker to learner without the driver ever fetching them.
 """
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common import heap
@@ -20,6 +22,39 @@ RECEIVER_CLASS = "rollout.weight_receiver.WeightReceiver"
 
 class EngineStartError(RuntimeError):
     """A vLLM engine failed to start; the message is one line with the root cause."""
+
+
+EXIT_ENGINE_DEAD = 70
+"""The actor's exit status when its engine died under it."""
+
+
+def engine_died(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is vLLM's EngineDeadError: its engine core process is
+    gone, and every later call on this engine would fail the same way."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    while error is not None:
+        if isinstance(error, EngineDeadError):
+            return True
+        error = error.__cause__
+    return False
+
+
+def exits_if_engine_died(method):
+    """The actor process exits when its engine died during `method`: Ray then restarts it with
+    a fresh engine (max_restarts) and the pool re-syncs it, where an actor left alive with a
+    dead engine would fail every call and never be restarted."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            if engine_died(error):
+                print(f"the vLLM engine died ({type(error).__name__}): exiting so that Ray restarts this actor",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_ENGINE_DEAD)
+            raise
+    return wrapper
 
 
 def no_compile() -> None:
@@ -163,6 +198,7 @@ class GenerationWorker:
             detokenize=detokenize or bool(stop),  # stop strings are matched on vLLM's text
         )
 
+    @exits_if_engine_died
     def generate(self, *prompts: Tuple[int, str, str, dict], n: int, greedy: bool,
                  seeds: Sequence[int], temperature: Optional[float] = None) -> Tuple[Any, ...]:
         """Sample `n` completions for each (index, prompt, answer, row fields); one seed per
@@ -240,6 +276,7 @@ class GenerationWorker:
         }
         return (*groups, out)
 
+    @exits_if_engine_died
     def prompt_logprobs(self, prompts: Sequence[str]) -> List[List[float]]:
         """log p(token_t | tokens_<t) of each prompt's tokens after the first (for exactness tests)."""
         from vllm import SamplingParams
@@ -249,11 +286,13 @@ class GenerationWorker:
         return [[float(step[token].logprob) for token, step in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
                 for o in outputs]
 
+    @exits_if_engine_died
     def init_weight_sync(self, host: str, port: int, base_rank: int, world_size: int, timeout_s: float,
                          backend: str) -> None:
         """Every vLLM worker process of this engine (one per tensor-parallel rank) joins the group."""
         self.llm.collective_rpc("init_weight_sync", args=(host, port, base_rank, world_size, timeout_s, backend))
 
+    @exits_if_engine_died
     def receive_weights(self, wire_spec: dict, version: int) -> dict:
         """Load new weights from the sync group; report the version now held."""
         timings = max(self.llm.collective_rpc("receive_weights", args=(wire_spec,)), key=lambda t: t["load_s"])
