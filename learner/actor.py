@@ -41,9 +41,10 @@ class LearnerRank:
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.warmup_examples: List[tuple] = []
         self.ds_config = engines.ds_config(cfg, self.on_gpu)
-        self.engine, self.optimizer = engines.policy_engine(model_path, cfg, self.ds_config, self.dtype)
+        checkpointed = engines.checkpointing(cfg, self.on_gpu)
+        self.engine, self.optimizer = engines.policy_engine(model_path, cfg, self.ds_config, self.dtype, checkpointed)
         self.device = self.engine.device
-        self.critic = (engines.critic_engine(model_path, cfg, algo, self.ds_config, self.dtype)
+        self.critic = (engines.critic_engine(model_path, cfg, algo, self.ds_config, self.dtype, checkpointed)
                        if algo.adv_estimator == "gae" else None)
         self.micro = MicroBatcher(cfg.max_tokens_per_microbatch, self.device)
         self.update = make_update(algo, cfg.minibatches, max_new_tokens, self.micro, world_size, self.critic)
@@ -344,6 +345,13 @@ class LearnerRank:
     def state_copy(self) -> Dict[str, "object"]:
         """Full parameters on CPU."""
         return engines.full_state(self.engine.module, self.cfg.zero_stage)
+
+    def checkpointed_blocks(self) -> int:
+        """Blocks of the policy that recompute their activations in the backward pass."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        return sum(1 for m in self.engine.module.modules()
+                   if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training)
 
     def reference_numel(self) -> Dict[str, int]:
         """Elements of pi_ref this rank holds, and the full model's."""

@@ -38,24 +38,41 @@ def ds_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def policy_engine(model_path: str, cfg: LearnerConfig, config: dict, dtype):
+def checkpointing(cfg: LearnerConfig, on_gpu: bool) -> bool:
+    """Whether the trained models recompute activations (`learner.gradient_checkpointing`)."""
+    return on_gpu if cfg.gradient_checkpointing is None else bool(cfg.gradient_checkpointing)
+
+
+def prepare_for_training(model, checkpointed: bool):
+    """When `checkpointed`, the model's own gradient checkpointing (the forwards pass
+    use_cache=False: learner/logprobs.py). Transformers checkpoints only modules in training
+    mode and `from_pretrained` returns the model in eval mode: train mode turns it on."""
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    return model
+
+
+def policy_engine(model_path: str, cfg: LearnerConfig, config: dict, dtype, checkpointed: bool = False):
     """(engine, optimizer) of the policy."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), checkpointed)
     optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, optimizer
 
 
-def critic_engine(model_path: str, cfg: LearnerConfig, algo: AlgoConfig, config: dict, dtype):
+def critic_engine(model_path: str, cfg: LearnerConfig, algo: AlgoConfig, config: dict, dtype,
+                  checkpointed: bool = False):
     """PPO's value model: the policy's architecture with a scalar head per token, its own
     DeepSpeed engine and optimizer (what GRPO does without)."""
     import deepspeed
     from transformers import AutoModelForTokenClassification
 
-    critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
+    critic = prepare_for_training(
+        AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype), checkpointed)
     optimizer = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, weight_decay=cfg.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=critic, optimizer=optimizer, config=config)
     return engine

@@ -39,17 +39,20 @@ DAPO = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overl
 
 
 def _one_step(learners, cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0,
-              optimizer: str = "sgd", minibatches: int = 1, lr: float = 0.0, **algo):
+              optimizer: str = "sgd", minibatches: int = 1, lr: float = 0.0, learner_settings=None, **algo):
     """One real GRPO step of a learner built for these settings (`learners`: the module's
-    pool); returns the update per unit of lr (for SGD: the clipped gradient), the metrics,
-    and the weights before the step."""
+    pool; `learner_settings`: more LearnerConfig fields); returns the update per unit of lr
+    (for SGD: the clipped gradient), the metrics, and the weights before the step."""
     lr = lr or (SGD_LR if optimizer == "sgd" else ADAM_LR)
     learner_cfg = replace(cfg.learner, num_ranks=num_ranks, zero_stage=zero_stage, minibatches=minibatches,
                           num_cpus_per_rank=0.1,
-                          max_tokens_per_microbatch=micro_tokens, optimizer=optimizer)
+                          max_tokens_per_microbatch=micro_tokens, optimizer=optimizer, **(learner_settings or {}))
     max_length = algo.pop("max_length", cfg.rollout.max_new_tokens)
     algo_cfg = replace(cfg.algo, **algo)
     with learners.learner(cfg.model.path, learner_cfg, algo_cfg, max_length, cfg.trainer.seed) as learner:
+        if learner_settings and learner_settings.get("gradient_checkpointing"):  # on for real, every block
+            layers = json.loads((Path(cfg.model.path) / "config.json").read_text())["num_hidden_layers"]
+            assert learner.call("checkpointed_blocks") == [layers] * num_ranks
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]  # a collective under ZeRO-3: every rank joins
         metrics = learner.train_step([ray.put(g) for g in groups], 1.0, lr)
@@ -203,6 +206,18 @@ def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(learners
     assert metrics["entropy"] == pytest.approx(plain_entropy, rel=1e-5)
     assert other_metrics["entropy"] == pytest.approx(plain_entropy, rel=1e-5)
     assert other_metrics["loss_tokens"] == metrics["loss_tokens"] == sum(len(c) for g in batch for c in g.completion_ids)
+
+
+@pytest.mark.parametrize("num_ranks, zero_stage, micro_tokens", [(1, 2, 0), (2, 3, 30)])
+def test_gradient_checkpointing_gives_the_same_step(learners, system_cfg, batch, reference, num_ranks, zero_stage,
+                                                    micro_tokens):
+    """Recomputing each block's activations in the backward pass (under ZeRO-3 too, where the
+    recompute gathers the block's parameters again) changes no gradient and no loss."""
+    update, metrics, _ = reference
+    other, other_metrics, _ = _one_step(learners, system_cfg, batch, num_ranks, zero_stage, micro_tokens,
+                                        learner_settings={"gradient_checkpointing": True})
+    assert_same_gradient(other, update)
+    assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
 
 
 def _adam_tolerance(gradient: dict, weights: dict):
