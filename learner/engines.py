@@ -24,7 +24,7 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def ds_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
-    return deep_merge({
+    config = deep_merge({
         "train_micro_batch_size_per_gpu": 1,  # batches are formed here, not by DeepSpeed
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
@@ -33,6 +33,21 @@ def ds_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
         "bf16": {"enabled": on_gpu},
         "steps_per_print": 10**9,
     }, dict(cfg.deepspeed or {}))
+    return with_fp32_accumulation(config, dict(cfg.deepspeed or {}))
+
+
+def with_fp32_accumulation(config: dict, user: dict) -> dict:
+    """Gradients accumulate over micro-batches in float32 when the model is in a 16-bit dtype
+    (`data_types.grad_accum_dtype`; DeepSpeed's default is the model's dtype, which loses the
+    small micro-batches' share of a sum of ten or more). Always, not only with several
+    micro-batches: how many a step has depends on its completions' lengths, known only then.
+    ZeRO stage 0 is left as it is: DeepSpeed refuses the mix there (its DDP path reduces in
+    the model's dtype). A `data_types.grad_accum_dtype` in `learner.deepspeed` wins."""
+    sixteen_bit = any(dict(config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
+    stage = int(dict(config.get("zero_optimization") or {}).get("stage", 0))
+    if not sixteen_bit or stage < 1 or "grad_accum_dtype" in dict(user.get("data_types") or {}):
+        return config
+    return deep_merge(config, {"data_types": {"grad_accum_dtype": "fp32"}})
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
