@@ -9,11 +9,13 @@ shape. Each rank reports, as JSON lines on stdout:
 - `step_rise_mb`: how far the peak rose above the RSS just before the measured step (the
   kernel's peak, VmHWM, reset first), the step's own working memory: activations, logits,
   gradients, optimizer state first touched;
-- `step_s`: the measured step's seconds.
+- `step_s`: the measured step's seconds;
+- `phases_mb`: for the engines' start, the reference's snapshot and each step, the peak RSS
+  during it (reset at its start) and the RSS after it.
 
     python bench/memory_scale.py --hidden 768 --layers 8 --heads 12 --inter 3072 --zero 3
 
-The first step is not measured unless `--steps 1`: it allocates the optimizer's state.
+`step_rise_mb` and `step_s` are the last step's; the first allocates the optimizer's state.
 """
 from __future__ import annotations
 
@@ -60,19 +62,24 @@ def _rank(rank: int, port: int, path: str, args, out) -> None:
     baseline = _status_mb("VmRSS")
     cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=args.zero, minibatches=1, num_threads=args.threads,
                         max_tokens_per_microbatch=args.budget, gradient_checkpointing=args.checkpointing)
+    phases = {}  # phase -> [peak, resident after] in MB (the peak reset before each phase)
     learner = LearnerRank(rank, args.ranks, "127.0.0.1", port, path, cfg, AlgoConfig(group_size=args.group),
                           args.completion, 0)
+    phases["engines"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
+    _reset_peak()
     learner.snapshot_reference()
+    phases["reference"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
     groups = _groups(args, rank)
     for step in range(args.steps):
-        if step == args.steps - 1:
-            _reset_peak()
-            before = _status_mb("VmRSS")
-            start = time.perf_counter()
+        _reset_peak()
+        before, start = _status_mb("VmRSS"), time.perf_counter()
         metrics = learner.train_on(groups, temperature=1.0, lr=1e-5)
+        seconds = time.perf_counter() - start
+        phases[f"step{step + 1}"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
     out.put({"rank": rank, "learner_peak_memory_mb": metrics["learner_peak_memory_mb"], "baseline_mb": baseline,
-             "step_rise_mb": _status_mb("VmHWM") - before, "step_s": time.perf_counter() - start,
-             "micro_batches": metrics["micro_batches"], "loss": metrics["loss"]})
+             "step_rise_mb": phases[f"step{args.steps}"][0] - before, "step_s": seconds,
+             "micro_batches": metrics["micro_batches"], "loss": metrics["loss"],
+             "phases_mb": {k: [round(v) for v in pair] for k, pair in phases.items()}})
 
 
 def main() -> None:

@@ -365,18 +365,50 @@ def test_known_wrong_implementations_fail(learners, system_cfg, batch, reference
 
 
 def test_zero3_reference_is_sharded_and_survives_a_checkpoint(learners, system_cfg, tmp_path):
-    """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy; a checkpoint
-    saves the full reference and loading it shards it again."""
+    """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy, copied shard to
+    shard from the policy's; a checkpoint saves the full reference and loading it shards it again."""
     learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
                           0) as learner:
         learner.call("snapshot_reference")
         held = learner.call("reference_numel")
-        assert all(h["held"] <= h["full"] / 2 + 1024 for h in held), held  # a half, padded per tensor
+        # a half each, padded per tensor: sharded, and not left empty
+        assert all(h["full"] / 2 <= h["held"] <= h["full"] / 2 + 1024 for h in held), held
+        policy = learner.call("state_copy")[0]
+        assert _same(learner.call("reference_state")[0], policy)
         learner.save_checkpoint(str(tmp_path))
         learner.call("load_checkpoint", str(tmp_path))
         assert learner.call("reference_numel") == held
+        assert _same(learner.call("reference_state")[1], policy)
         saved = torch.load(tmp_path / "reference.pt", map_location="cpu")
         assert sum(v.numel() for v in saved.values()) >= held[0]["full"]  # saved whole
+        assert _same(saved, policy)
 
+
+@pytest.mark.parametrize("persistence", [0, 10**5])
+def test_zero3_reference_copied_shard_to_shard_is_the_policy_after_steps(learners, system_cfg, batch, persistence):
+    """After optimizer steps (the partitions written back by ZeRO-3's optimizer) and with small
+    parameters kept whole on every rank (DeepSpeed's default persistence threshold), the
+    reference snapshot holds the policy's current weights exactly."""
+    learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
+                          deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": persistence}})
+    with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
+                          0) as learner:
+        learner.call("snapshot_reference")
+        learner.train_step([ray.put(g) for g in batch], 1.0, 1e-2)
+        learner.call("snapshot_reference")
+        policy = learner.call("state_copy")[0]
+        assert not _same(policy, _initial_weights(system_cfg.model.path)), "the step changed nothing"
+        for state in learner.call("reference_state"):
+            assert _same(state, policy)
+
+
+def _initial_weights(path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
