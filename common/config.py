@@ -409,6 +409,15 @@ class LearnerConfig(Section):
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Any DeepSpeed setting, merged over the generated config (e.g.
     +learner.deepspeed.zero_optimization.offload_optimizer.device=cpu for ZeRO-Offload)."""
+    gradient_checkpointing: Optional[bool] = None
+    """Recompute each transformer block's activations in the backward pass instead of keeping
+    them from the forward (the model's own `gradient_checkpointing_enable`, non-reentrant), for
+    the policy and PPO's value model; the model's KV cache is off while it trains. It trades
+    about one more forward per micro-batch for activation memory that no longer grows with the
+    layers. None (the default): on when the learner ranks have GPUs, where activations are
+    what runs out of memory at long completions; off on CPUs, where the built-in model's
+    activations are small beside its weights and optimizer and the extra forward costs step
+    time (the measured trade: the report of bench/memory_scale.py)."""
 
     def check(self, name: str = "learner") -> None:
         super().check(name)

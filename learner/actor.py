@@ -41,9 +41,12 @@ class LearnerRank:
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.warmup_examples: List[tuple] = []
         self.ds_config = engines.ds_config(cfg, self.on_gpu)
-        self.engine, self.optimizer = engines.policy_engine(model_path, cfg, self.ds_config, self.dtype)
+        # Under ZeRO-3 kept for the rank's life: the reference is built partitioned later too.
+        self._zero3_models = engines.zero3_models(self.ds_config)
+        checkpointed = engines.checkpointing(cfg, self.on_gpu)
+        self.engine, self.optimizer = engines.policy_engine(model_path, cfg, self.ds_config, self.dtype, checkpointed)
         self.device = self.engine.device
-        self.critic = (engines.critic_engine(model_path, cfg, algo, self.ds_config, self.dtype)
+        self.critic = (engines.critic_engine(model_path, cfg, algo, self.ds_config, self.dtype, checkpointed)
                        if algo.adv_estimator == "gae" else None)
         self.micro = MicroBatcher(cfg.max_tokens_per_microbatch, self.device)
         self.update = make_update(algo, cfg.minibatches, max_new_tokens, self.micro, world_size, self.critic)
@@ -127,11 +130,8 @@ class LearnerRank:
         """Freeze a copy of the current policy as pi_ref (GRPO starts from the warmed-up model)."""
         if self.algo.beta <= 0:
             return  # beta = 0 needs no reference model at all
-        self.ref_model = self._frozen_reference(engines.full_state(self.engine.module, self.cfg.zero_stage))
-
-    def _frozen_reference(self, state: dict):
-        return engines.frozen_reference(self.engine.module.config, state, self.ds_config, self.dtype, self.device,
-                                        self.on_gpu)
+        self.ref_model = engines.reference_from_policy(self.engine.module, self.ds_config, self.dtype, self.device,
+                                                       self.on_gpu)
 
     # ---- GRPO ----------------------------------------------------------------------------
     def train_step(self, group_refs: list, temperature: float, lr: float) -> Dict[str, float]:
@@ -284,13 +284,12 @@ class LearnerRank:
     def save_pretrained(self, folder: str) -> Optional[str]:
         """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's gather)."""
         module = self.engine.module
-        with engines.gathered(list(module.parameters()), self.cfg.zero_stage):
-            if self.rank != 0:
-                return None
-            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            module.save_pretrained(folder, state_dict=state)
-            self.tokenizer.save_pretrained(folder)
-            return folder
+        state = engines.full_state(module, self.cfg.zero_stage, keep=self.rank == 0)  # one parameter at a time
+        if self.rank != 0:
+            return None
+        module.save_pretrained(folder, state_dict=state)
+        self.tokenizer.save_pretrained(folder)
+        return folder
 
     # ---- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, folder: str) -> None:
@@ -301,7 +300,7 @@ class LearnerRank:
         if self.critic is not None:
             self.critic.save_checkpoint(os.path.join(folder, "critic"), tag="ds")
         torch.save(self._rng_state(), os.path.join(learner_dir, f"rng_rank{self.rank}.pt"))
-        reference = (engines.full_state(engines.unwrapped(self.ref_model), self.cfg.zero_stage)
+        reference = (engines.full_state(engines.unwrapped(self.ref_model), self.cfg.zero_stage, keep=self.rank == 0)
                      if self.ref_model is not None else None)
         if self.rank == 0:
             if reference is not None:
@@ -320,8 +319,10 @@ class LearnerRank:
             self.critic.load_checkpoint(os.path.join(folder, "critic"), tag="ds", load_optimizer_states=True)
         self._set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False))
         if self.algo.beta > 0:
-            reference = torch.load(os.path.join(folder, "reference.pt"), map_location="cpu")
-            self.ref_model = self._frozen_reference(reference)
+            # Memory-mapped: under ZeRO-3 a rank reads only its partitions' pages.
+            reference = torch.load(os.path.join(folder, "reference.pt"), map_location="cpu", mmap=True)
+            self.ref_model = engines.reference_from_state(self.engine.module.config, reference, self.ds_config,
+                                                          self.dtype, self.device, self.on_gpu)
 
     def _rng_state(self) -> dict:
         import numpy as np
@@ -345,7 +346,19 @@ class LearnerRank:
         """Full parameters on CPU."""
         return engines.full_state(self.engine.module, self.cfg.zero_stage)
 
+    def checkpointed_blocks(self) -> int:
+        """Blocks of the policy that recompute their activations in the backward pass."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        return sum(1 for m in self.engine.module.modules()
+                   if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training)
+
     def reference_numel(self) -> Dict[str, int]:
-        """Elements of pi_ref this rank holds, and the full model's."""
+        """Elements of pi_ref this rank holds (under ZeRO-3 its partitions), and the full model's."""
         params = list(engines.unwrapped(self.ref_model).parameters())
-        return {"held": sum(p.numel() for p in params), "full": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+        held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+        return {"held": held, "full": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+
+    def reference_state(self) -> Dict[str, "object"]:
+        """pi_ref's full parameters on CPU (a collective under ZeRO-3)."""
+        return engines.full_state(engines.unwrapped(self.ref_model), self.cfg.zero_stage)

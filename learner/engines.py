@@ -6,6 +6,7 @@ GPUs), with `learner.deepspeed` merged over it.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -24,7 +25,7 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def ds_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
-    return deep_merge({
+    config = deep_merge({
         "train_micro_batch_size_per_gpu": 1,  # batches are formed here, not by DeepSpeed
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
@@ -33,52 +34,187 @@ def ds_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
         "bf16": {"enabled": on_gpu},
         "steps_per_print": 10**9,
     }, dict(cfg.deepspeed or {}))
+    return with_fp32_accumulation(config, dict(cfg.deepspeed or {}))
+
+
+def with_fp32_accumulation(config: dict, user: dict) -> dict:
+    """Gradients accumulate over micro-batches in float32 when the model is in a 16-bit dtype
+    (`data_types.grad_accum_dtype`; DeepSpeed's default is the model's dtype, which loses the
+    small micro-batches' share of a sum of ten or more). Always, not only with several
+    micro-batches: how many a step has depends on its completions' lengths, known only then.
+    ZeRO stage 0 is left as it is: DeepSpeed refuses the mix there (its DDP path reduces in
+    the model's dtype). A `data_types.grad_accum_dtype` in `learner.deepspeed` wins."""
+    sixteen_bit = any(dict(config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
+    stage = int(dict(config.get("zero_optimization") or {}).get("stage", 0))
+    if not sixteen_bit or stage < 1 or "grad_accum_dtype" in dict(user.get("data_types") or {}):
+        return config
+    return deep_merge(config, {"data_types": {"grad_accum_dtype": "fp32"}})
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def policy_engine(model_path: str, cfg: LearnerConfig, config: dict, dtype):
+def checkpointing(cfg: LearnerConfig, on_gpu: bool) -> bool:
+    """Whether the trained models recompute activations (`learner.gradient_checkpointing`)."""
+    return on_gpu if cfg.gradient_checkpointing is None else bool(cfg.gradient_checkpointing)
+
+
+def prepare_for_training(model, checkpointed: bool):
+    """When `checkpointed`, the model's own gradient checkpointing (the forwards pass
+    use_cache=False: learner/logprobs.py). Transformers checkpoints only modules in training
+    mode and `from_pretrained` returns the model in eval mode: train mode turns it on."""
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    return model
+
+
+def zero3_bounds(model, config: dict) -> dict:
+    """`config` with ZeRO-3's working set sized to the model's largest transformer block.
+    DeepSpeed's defaults count in fixed numbers of elements (up to 1e9 parameters kept gathered
+    and reused, 5e8 gradients per reduce bucket), sized for billion-parameter models: on a model
+    smaller than that every parameter stays gathered from the forward to the backward and the
+    bucket holds every gradient, so each rank holds whole copies after all. Here a rank keeps
+    about two blocks gathered, prefetches one, and reduces gradients a block at a time. A value
+    set in `learner.deepspeed.zero_optimization` wins."""
+    if zero_stage(config) != 3:
+        return config
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def numel(module) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+
+    blocks = [numel(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    block = max(blocks) if blocks else numel(model)
+    bounds = {"stage3_max_live_parameters": 2 * block, "stage3_max_reuse_distance": block,
+              "stage3_prefetch_bucket_size": block, "reduce_bucket_size": block}
+    return deep_merge({"zero_optimization": bounds}, config)
+
+
+def policy_engine(model_path: str, cfg: LearnerConfig, config: dict, dtype, checkpointed: bool = False):
     """(engine, optimizer) of the policy."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), checkpointed)
     optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_bounds(model, config))
     return engine, optimizer
 
 
-def critic_engine(model_path: str, cfg: LearnerConfig, algo: AlgoConfig, config: dict, dtype):
+def critic_engine(model_path: str, cfg: LearnerConfig, algo: AlgoConfig, config: dict, dtype,
+                  checkpointed: bool = False):
     """PPO's value model: the policy's architecture with a scalar head per token, its own
     DeepSpeed engine and optimizer (what GRPO does without)."""
     import deepspeed
     from transformers import AutoModelForTokenClassification
 
-    critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
+    critic = prepare_for_training(
+        AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype), checkpointed)
     optimizer = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, weight_decay=cfg.weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=critic, optimizer=optimizer, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=critic, optimizer=optimizer, config=zero3_bounds(critic, config))
     return engine
 
 
-def frozen_reference(model_config, state: dict, config: dict, dtype, device, on_gpu: bool):
-    """pi_ref from a full state dict. Under ZeRO-3 it is partitioned like the policy (a
-    DeepSpeed engine with no optimizer, each rank holding its shard, gathered layer by layer
-    in its forward): a full copy per rank is what ZeRO-3 is there to avoid."""
+def zero3_models(config: dict):
+    """Under ZeRO-3, what makes transformers build every model of this process partitioned
+    from the start (`deepspeed.zero.Init` in `from_pretrained` and `from_config`, each rank
+    allocating only its partition; the checkpoint read in layer by layer): an HfDeepSpeedConfig,
+    which transformers holds by a weak reference, so the caller keeps it while it builds models.
+    Otherwise None, and any earlier one is forgotten (a rank rebuilt with another stage)."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    if zero_stage(config) != 3:
+        unset_hf_deepspeed_config()
+        return None
+    return HfDeepSpeedConfig(config)
+
+
+def zero_stage(config: dict) -> int:
+    return int(config["zero_optimization"].get("stage", 0))
+
+
+def reference_from_policy(policy, config: dict, dtype, device, on_gpu: bool):
+    """pi_ref, a frozen copy of the policy module as it is now. Under ZeRO-3 it is built
+    partitioned and each rank copies its own partition of every parameter from the policy's:
+    no rank ever holds the whole model."""
+    if zero_stage(config) != 3:
+        return _whole_reference(policy.config, full_state(policy, zero_stage(config)), dtype, device)
+    engine = _partitioned_reference(policy.config, config, dtype, on_gpu)
+    copy_partitions(policy, engine.module)
+    return engine
+
+
+def reference_from_state(model_config, state: dict, config: dict, dtype, device, on_gpu: bool):
+    """pi_ref from a full state dict (a checkpoint's, memory-mapped: under ZeRO-3 each rank
+    reads only its partition of each tensor)."""
+    if zero_stage(config) != 3:
+        return _whole_reference(model_config, state, dtype, device)
+    engine = _partitioned_reference(model_config, config, dtype, on_gpu)
+    load_partitions(engine.module, state)
+    return engine
+
+
+def _whole_reference(model_config, state: dict, dtype, device):
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     ref.load_state_dict(state, strict=True)
-    ref = ref.to(device).eval().requires_grad_(False)
-    if config["zero_optimization"]["stage"] != 3:
-        return ref
-    import deepspeed
+    return ref.to(device).eval().requires_grad_(False)
 
+
+def _partitioned_reference(model_config, config: dict, dtype, on_gpu: bool):
+    """A DeepSpeed engine with no optimizer around a model built partitioned (`zero3_models`
+    is alive), gathered layer by layer in its forward. Its weights are random until filled."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_config(model_config, dtype=dtype).requires_grad_(False)
     inference = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "bf16": {"enabled": on_gpu},
                  "zero_optimization": dict(config["zero_optimization"])}
-    engine, _, _, _ = deepspeed.initialize(model=ref, config=inference)
+    engine, _, _, _ = deepspeed.initialize(model=ref, config=zero3_bounds(ref, inference))
     engine.eval()  # DeepSpeed's eval() returns None, not the engine
     return engine
+
+
+def _release_whole(target) -> None:
+    """Parameters of `target` held whole (ZeRO-3's persistent small ones, once used) go back to
+    their partitions, so that their next use gathers the partitions written now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    whole = [p for p in target.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+    if whole:
+        whole[0].partition(param_list=whole, has_been_updated=False)
+
+
+@torch.no_grad()
+def copy_partitions(source, target) -> None:
+    """Every ZeRO-3 parameter of `target` := the same one of `source` (the same architecture,
+    partitioned over the same ranks), each rank copying only its own partition."""
+    _release_whole(target)
+    sources = dict(source.named_parameters())
+    for name, param in target.named_parameters():
+        partition = sources[name].ds_tensor
+        if partition.shape != param.ds_tensor.shape:
+            raise RuntimeError(f"{name}: partitions of {tuple(partition.shape)} and {tuple(param.ds_tensor.shape)}")
+        param.ds_tensor.copy_(partition)
+
+
+@torch.no_grad()
+def load_partitions(target, state: dict) -> None:
+    """Every ZeRO-3 parameter of `target` := its full tensor in `state`, each rank copying only
+    the slice its partition holds (DeepSpeed's layout: rank r holds elements [r*n, (r+1)*n)
+    of the flat tensor, the last partition padded)."""
+    import torch.distributed as dist
+
+    _release_whole(target)
+    for name, param in target.named_parameters():
+        flat, partition = state[name].reshape(-1), param.ds_tensor
+        size = partition.numel()
+        start = size * dist.get_rank(group=param.ds_process_group)
+        count = max(0, min(size, flat.numel() - start))
+        partition.zero_()
+        partition.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
 
 
 def unwrapped(model):
@@ -96,7 +232,21 @@ def gathered(params, zero_stage: int):
     return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")], modifier_rank=None)
 
 
-def full_state(module, zero_stage: int) -> dict:
-    """The full weights on CPU (a collective under ZeRO-3: every rank calls it)."""
-    with gathered(list(module.parameters()), zero_stage):
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+def full_state(module, zero_stage: int, keep: bool = True) -> Optional[dict]:
+    """The full weights on CPU; None on a rank that does not `keep` them. Under ZeRO-3 a
+    collective (every rank calls it) that gathers one parameter at a time: beyond its
+    partitions a rank holds one whole parameter at most, and the copies only if it keeps them."""
+    if zero_stage != 3:
+        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} if keep else None
+    import deepspeed
+
+    out, copies = {}, {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not hasattr(value, "ds_id"):  # a buffer: never partitioned
+            out[name] = value.detach().to("cpu", copy=True)
+            continue
+        if id(value) not in copies:  # a tied parameter is gathered and copied once
+            with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+                copies[id(value)] = value.detach().to("cpu", copy=True) if keep else None
+        out[name] = copies[id(value)]
+    return out if keep else None

@@ -101,6 +101,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature
     elif first is None:
         first = first_target(targets)
     keep = {"logits_to_keep": input_ids.shape[1] - first} if first else {}
+    if takes(model, "use_cache"):  # no KV cache to build: nothing generates here
+        keep["use_cache"] = False
     # Logits of positions first..T-1; the last is dropped: it predicts no token of this row.
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **keep).logits[:, :-1]
     chosen = _left_zeros(chosen_logprobs(logits, input_ids[:, first + 1:], temperature), first)
@@ -115,17 +117,22 @@ def first_target(targets: Tensor) -> int:
     return int(columns[0, 0]) if columns.numel() else 0
 
 
-_KEEPS_LOGITS: Dict[type, bool] = {}
+_TAKES: Dict[tuple, bool] = {}
+
+
+def takes(model, argument: str) -> bool:
+    """Whether the model's forward takes `argument` by name."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
+    key = (type(module), argument)
+    if key not in _TAKES:
+        _TAKES[key] = argument in inspect.signature(module.forward).parameters
+    return _TAKES[key]
 
 
 def keeps_logits(model) -> bool:
     """Whether the model's forward takes `logits_to_keep` (every causal LM of transformers 5
     does; a remote-code model may not)."""
-    module = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
-    kind = type(module)
-    if kind not in _KEEPS_LOGITS:
-        _KEEPS_LOGITS[kind] = "logits_to_keep" in inspect.signature(module.forward).parameters
-    return _KEEPS_LOGITS[kind]
+    return takes(model, "logits_to_keep")
 
 
 def _left_zeros(values: Tensor, columns: int) -> Tensor:

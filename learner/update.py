@@ -19,7 +19,7 @@ from common.config import AlgoConfig
 from learner import grpo, ppo
 from learner.batching import MicroBatcher, Rollouts
 from learner.collectives import global_std, global_sum
-from learner.logprobs import token_logprobs
+from learner.logprobs import takes, token_logprobs
 from learner.metrics import TOKEN_MEANS, combine_metrics
 
 
@@ -221,7 +221,8 @@ class CriticUpdate(GroupUpdate):
     def values(self, ids, attention, grad: bool = False):
         """The critic's value of the state before each token, aligned with the log-probs [N, T-1]."""
         with contextlib.nullcontext() if grad else torch.no_grad():
-            return self.critic(input_ids=ids, attention_mask=attention).logits[:, :-1, 0].float()
+            no_cache = {"use_cache": False} if takes(self.critic, "use_cache") else {}
+            return self.critic(input_ids=ids, attention_mask=attention, **no_cache).logits[:, :-1, 0].float()
 
     def fix(self, policy, reference, batch: Rollouts, temperature: float) -> Fixed:
         algo = self.algo

@@ -39,17 +39,20 @@ DAPO = dict(loss_agg="token-mean", mask_truncated=True, overlong_buffer=4, overl
 
 
 def _one_step(learners, cfg, groups, num_ranks: int, zero_stage: int, micro_tokens: int = 0,
-              optimizer: str = "sgd", minibatches: int = 1, lr: float = 0.0, **algo):
+              optimizer: str = "sgd", minibatches: int = 1, lr: float = 0.0, learner_settings=None, **algo):
     """One real GRPO step of a learner built for these settings (`learners`: the module's
-    pool); returns the update per unit of lr (for SGD: the clipped gradient), the metrics,
-    and the weights before the step."""
+    pool; `learner_settings`: more LearnerConfig fields); returns the update per unit of lr
+    (for SGD: the clipped gradient), the metrics, and the weights before the step."""
     lr = lr or (SGD_LR if optimizer == "sgd" else ADAM_LR)
     learner_cfg = replace(cfg.learner, num_ranks=num_ranks, zero_stage=zero_stage, minibatches=minibatches,
                           num_cpus_per_rank=0.1,
-                          max_tokens_per_microbatch=micro_tokens, optimizer=optimizer)
+                          max_tokens_per_microbatch=micro_tokens, optimizer=optimizer, **(learner_settings or {}))
     max_length = algo.pop("max_length", cfg.rollout.max_new_tokens)
     algo_cfg = replace(cfg.algo, **algo)
     with learners.learner(cfg.model.path, learner_cfg, algo_cfg, max_length, cfg.trainer.seed) as learner:
+        if learner_settings and learner_settings.get("gradient_checkpointing"):  # on for real, every block
+            layers = json.loads((Path(cfg.model.path) / "config.json").read_text())["num_hidden_layers"]
+            assert learner.call("checkpointed_blocks") == [layers] * num_ranks
         learner.call("snapshot_reference")
         before = learner.call("state_copy")[0]  # a collective under ZeRO-3: every rank joins
         metrics = learner.train_step([ray.put(g) for g in groups], 1.0, lr)
@@ -205,6 +208,18 @@ def test_same_gradient_for_any_rank_count_zero_stage_and_micro_batching(learners
     assert other_metrics["loss_tokens"] == metrics["loss_tokens"] == sum(len(c) for g in batch for c in g.completion_ids)
 
 
+@pytest.mark.parametrize("num_ranks, zero_stage, micro_tokens", [(1, 2, 0), (2, 3, 30)])
+def test_gradient_checkpointing_gives_the_same_step(learners, system_cfg, batch, reference, num_ranks, zero_stage,
+                                                    micro_tokens):
+    """Recomputing each block's activations in the backward pass (under ZeRO-3 too, where the
+    recompute gathers the block's parameters again) changes no gradient and no loss."""
+    update, metrics, _ = reference
+    other, other_metrics, _ = _one_step(learners, system_cfg, batch, num_ranks, zero_stage, micro_tokens,
+                                        learner_settings={"gradient_checkpointing": True})
+    assert_same_gradient(other, update)
+    assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+
+
 def _adam_tolerance(gradient: dict, weights: dict):
     """Per-element bound on how far two AdamW first steps (per unit of lr) may differ when
     their gradients differ by at most GRAD_RTOL * max|g|.
@@ -350,18 +365,50 @@ def test_known_wrong_implementations_fail(learners, system_cfg, batch, reference
 
 
 def test_zero3_reference_is_sharded_and_survives_a_checkpoint(learners, system_cfg, tmp_path):
-    """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy; a checkpoint
-    saves the full reference and loading it shards it again."""
+    """Under ZeRO-3 each rank holds only its shard of pi_ref, as of the policy, copied shard to
+    shard from the policy's; a checkpoint saves the full reference and loading it shards it again."""
     learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
                           0) as learner:
         learner.call("snapshot_reference")
         held = learner.call("reference_numel")
-        assert all(h["held"] <= h["full"] / 2 + 1024 for h in held), held  # a half, padded per tensor
+        # a half each, padded per tensor: sharded, and not left empty
+        assert all(h["full"] / 2 <= h["held"] <= h["full"] / 2 + 1024 for h in held), held
+        policy = learner.call("state_copy")[0]
+        assert _same(learner.call("reference_state")[0], policy)
         learner.save_checkpoint(str(tmp_path))
         learner.call("load_checkpoint", str(tmp_path))
         assert learner.call("reference_numel") == held
+        assert _same(learner.call("reference_state")[1], policy)
         saved = torch.load(tmp_path / "reference.pt", map_location="cpu")
         assert sum(v.numel() for v in saved.values()) >= held[0]["full"]  # saved whole
+        assert _same(saved, policy)
 
+
+@pytest.mark.parametrize("persistence", [0, 10**5])
+def test_zero3_reference_copied_shard_to_shard_is_the_policy_after_steps(learners, system_cfg, batch, persistence):
+    """After optimizer steps (the partitions written back by ZeRO-3's optimizer) and with small
+    parameters kept whole on every rank (DeepSpeed's default persistence threshold), the
+    reference snapshot holds the policy's current weights exactly."""
+    learner_cfg = replace(system_cfg.learner, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
+                          deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": persistence}})
+    with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
+                          0) as learner:
+        learner.call("snapshot_reference")
+        learner.train_step([ray.put(g) for g in batch], 1.0, 1e-2)
+        learner.call("snapshot_reference")
+        policy = learner.call("state_copy")[0]
+        assert not _same(policy, _initial_weights(system_cfg.model.path)), "the step changed nothing"
+        for state in learner.call("reference_state"):
+            assert _same(state, policy)
+
+
+def _initial_weights(path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

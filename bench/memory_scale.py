@@ -1,0 +1,121 @@
+"""Peak memory of one learner rank for a GRPO step, by ZeRO stage and gradient checkpointing.
+
+The ranks run as plain processes (no Ray, no engine: learner/actor.py's LearnerRank needs
+neither), on a built-in Qwen2-shaped model of the size given, on random prompt groups of a fixed
+shape. Each rank reports, as JSON lines on stdout:
+- `learner_peak_memory_mb`: the step's metric, the process's peak RSS since it started (model
+  load, engines, the frozen reference and the step);
+- `baseline_mb`: its RSS after the imports, before any model (what the model adds is above it);
+- `step_rise_mb`: how far the peak rose above the RSS just before the measured step (the
+  kernel's peak, VmHWM, reset first), the step's own working memory: activations, logits,
+  gradients, optimizer state first touched;
+- `step_s`: the measured step's seconds;
+- `phases_mb`: for the engines' start, the reference's snapshot and each step, the peak RSS
+  during it (reset at its start) and the RSS after it.
+
+    python bench/memory_scale.py --hidden 768 --layers 8 --heads 12 --inter 3072 --zero 3
+
+`step_rise_mb` and `step_s` are the last step's; the first allocates the optimizer's state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        line = next(ln for ln in f if ln.startswith(field + ":"))
+    return int(line.split()[1]) / 1024  # kB
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM back to the current RSS (Linux >= 4.0)
+
+
+def _groups(args, rank: int):
+    from common.prompt_group import PromptGroup
+
+    rng = random.Random(rank)
+    G, per_rank = args.group, args.prompts // args.ranks
+    return [PromptGroup(index=i, prompt="", answer="", prompt_ids=[rng.randrange(3, 250) for _ in range(args.prompt_len)],
+                        completions=[""] * G, policy_version=0, finish_reasons=["stop"] * G,
+                        completion_ids=[[rng.randrange(3, 250) for _ in range(args.completion)] for _ in range(G)],
+                        rewards=[float(j % 2) for j in range(G)]) for i in range(per_rank)]
+
+
+def _rank(rank: int, port: int, path: str, args, out) -> None:
+    import torch  # noqa: F401  (the imports are part of the baseline, not of the model)
+
+    from common.config import AlgoConfig, LearnerConfig
+    from learner.actor import LearnerRank
+
+    baseline = _status_mb("VmRSS")
+    cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=args.zero, minibatches=1, num_threads=args.threads,
+                        max_tokens_per_microbatch=args.budget, gradient_checkpointing=args.checkpointing)
+    phases = {}  # phase -> [peak, resident after] in MB (the peak reset before each phase)
+    learner = LearnerRank(rank, args.ranks, "127.0.0.1", port, path, cfg, AlgoConfig(group_size=args.group),
+                          args.completion, 0)
+    phases["engines"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
+    _reset_peak()
+    learner.snapshot_reference()
+    phases["reference"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
+    groups = _groups(args, rank)
+    for step in range(args.steps):
+        _reset_peak()
+        before, start = _status_mb("VmRSS"), time.perf_counter()
+        metrics = learner.train_on(groups, temperature=1.0, lr=1e-5)
+        seconds = time.perf_counter() - start
+        phases[f"step{step + 1}"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
+    out.put({"rank": rank, "learner_peak_memory_mb": metrics["learner_peak_memory_mb"], "baseline_mb": baseline,
+             "step_rise_mb": phases[f"step{args.steps}"][0] - before, "step_s": seconds,
+             "micro_batches": metrics["micro_batches"], "loss": metrics["loss"],
+             "phases_mb": {k: [round(v) for v in pair] for k, pair in phases.items()}})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("hidden", 768), ("layers", 8), ("heads", 12), ("inter", 3072), ("ranks", 2), ("zero", 2),
+                          ("prompts", 4), ("group", 2), ("prompt-len", 16), ("completion", 32), ("budget", 4096),
+                          ("steps", 2), ("threads", 1)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
+    parser.add_argument("--cache", default="~/.cache/grpo/models")
+    args = parser.parse_args()
+
+    from common.config import ModelConfig
+    from learner.tiny_model import build_tiny_model
+
+    path = build_tiny_model(ModelConfig(cache_dir=args.cache, hidden_size=args.hidden, num_layers=args.layers,
+                                        num_heads=args.heads, intermediate_size=args.inter,
+                                        max_position_embeddings=max(256, args.prompt_len + args.completion + 1)))
+    params = json.loads((Path(path) / "config.json").read_text())
+    params["params_m"] = round((Path(path) / "model.safetensors").stat().st_size / 4e6, 1)  # float32 weights
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, path, args, out)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    results = sorted((out.get() for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join()
+    setting = {k: v for k, v in vars(args).items() if k != "cache"}
+    print(json.dumps({"setting": setting, "model": {k: params[k] for k in ("hidden_size", "num_hidden_layers",
+                                                                             "intermediate_size", "vocab_size", "params_m")},
+                      "ranks": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
