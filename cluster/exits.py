@@ -48,11 +48,12 @@ def _status(exc: Exception) -> Optional[int]:
 
     if isinstance(exc, (ConfigError, DataError)):
         return fail(str(exc))
+    from cluster.checkpoint import CheckpointError
     from cluster.sync_channel import WeightSyncError
     from learner.group import LearnerError
     from rollout.worker import EngineStartError
 
-    if isinstance(exc, (LearnerError, EngineStartError, WeightSyncError)):  # the run failed, and says why
+    if isinstance(exc, (LearnerError, EngineStartError, WeightSyncError, CheckpointError)):  # the run failed, and says why
         print(f"grpo: error: {exc}", file=sys.stderr)
         return EXIT_RUN_FAILED
     return None
