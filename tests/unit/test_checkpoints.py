@@ -149,3 +149,65 @@ def test_a_file_that_does_not_match_the_manifest_makes_the_checkpoint_incomplete
     assert skipped_line(tmp_path) == (f"checkpoint step-000006 is incomplete (learner/ds/shard.pt has 1000 bytes, "
                                       f"the manifest says {4 << 20}); the last complete one is {previous}")
     assert checkpoint_path(tmp_path, 6) == damaged
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+PREEMPTED = textwrap.dedent('''
+    import sys, time
+    run_dir, before_steps = sys.argv[1], sys.argv[2] == "before"
+    sys.path.insert(0, run_dir)
+    from cluster import exits
+    from cluster.checkpoint import save_checkpoint
+    from file_learner import FileLearner
+
+    def command():
+        save_checkpoint(run_dir, 4, FileLearner(), {"step": 4}, 0)
+        if before_steps:
+            open(run_dir + "/ready", "w").close()
+            time.sleep(60)  # the warm-up, say
+        with exits.steps_running():
+            open(run_dir + "/ready", "w").close()
+            while not exits.stop_requested():  # a step that is running when SIGTERM comes
+                time.sleep(0.01)
+            save_checkpoint(run_dir, 6, FileLearner(chunks=20, marker=run_dir + "/mid-write"), {"step": 6}, 0)
+        return 0
+
+    sys.exit(exits.guarded(command))
+''')
+
+
+def _preempted(tmp_path, when: str):
+    (tmp_path / "preempted.py").write_text(PREEMPTED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "preempted.py"), str(tmp_path), when], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "ready", proc)
+    proc.send_signal(signal.SIGTERM)
+    return proc
+
+
+def _wait_for(path: Path, proc) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), f"{path.name} never appeared"
+
+
+def test_a_second_sigterm_mid_checkpoint_exits_143_and_leaves_the_last_complete_one(tmp_path, learner_module):
+    proc = _preempted(tmp_path, "steps")
+    _wait_for(tmp_path / "mid-write", proc)  # the first SIGTERM's checkpoint is being written
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert "stopping after this step, with a checkpoint of it" in err
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 4)
+    assert skipped_line(tmp_path).startswith("checkpoint .tmp-step-000006 is incomplete")
+
+
+def test_sigterm_before_the_steps_stops_at_once_with_143(tmp_path, learner_module):
+    proc = _preempted(tmp_path, "before")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    assert err.strip().splitlines()[-1] == ("grpo: stopped by SIGTERM before the GRPO steps began; everything the "
+                                            "run started has been stopped (nothing to save yet: run it again)")
