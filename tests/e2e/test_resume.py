@@ -151,6 +151,7 @@ def preempted(model_cache, tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
     stopped = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    stopped.logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     resumed = run(GRPO, "train", *args, "trainer.resume=auto")
     return out / "preempted", stopped, resumed
 
@@ -167,6 +168,7 @@ def test_sigterm_ends_the_step_checkpoints_it_and_exits_143_with_the_resume_line
                     f"been stopped. Its last checkpoint is {run_dir / 'checkpoints' / f'step-{step:06d}'}: "
                     f"continue with the same overrides plus trainer.run_name=preempted trainer.resume=auto")
     assert "Traceback" not in stopped.stderr
+    assert stopped.logged == list(range(1, step + 1))  # it stopped at the step it checkpointed
     assert logged == list(range(1, PREEMPT_STEPS + 1))
 
 
