@@ -7,11 +7,17 @@ Layout of one checkpoint, `<run>/checkpoints/step-000040/`:
 | `learner/` | every learner rank | DeepSpeed `save_checkpoint` (model, optimizer shards, RNG per rank) |
 | `reference.pt` | learner rank 0 | the frozen reference policy (when beta > 0) |
 | `model/` | learner rank 0 | the model's config and tokenizer (what `grpo export` needs besides weights) |
-| `trainer_state.json` | the driver, last | step, policy version, prompt sampler position, driver RNGs |
+| `trainer_state.json` | the driver | step, policy version, prompt sampler position, driver RNGs |
+| `manifest.json` | the driver, last | every other file's path and size |
 
-Everything is written under `checkpoints/.tmp-step-000040/` and renamed when complete, so a
-process killed mid-write leaves a `.tmp-` folder that is never picked (and is removed by the
-next save). The rollout needs no state: its sampling seeds are a function of (seed, step).
+Everything is written under `checkpoints/.tmp-step-000040/`, synced, given its manifest and
+renamed when complete. A checkpoint is complete only when its manifest is there and every file
+it lists has its size, so a process killed mid-write (or a disk that filled) leaves a folder
+that is never picked, and `trainer.resume=auto` says in one line which one it skipped and why.
+Saving a step that already has a checkpoint (a resumed run that re-reached it) moves the old
+folder aside to `.old-step-000040` before the new one is renamed in, and deletes it only then:
+a kill in between leaves the old one, which is still picked. Leftovers are cleared by the next
+save. The rollout needs no state: its sampling seeds are a function of (seed, step).
 """
 from __future__ import annotations
 
@@ -22,31 +28,94 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 FOLDER = "checkpoints"
 STATE_FILE = "trainer_state.json"
-_NAME = re.compile(r"^step-(\d{6,})$")
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^(\.old-|\.tmp-)?step-(\d{6,})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that could not be written; the message says which one is the last complete."""
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / FOLDER / f"step-{step:06d}"
 
 
-def complete_checkpoints(run_dir: Path) -> List[Path]:
-    """Complete checkpoints of a run, oldest first (a `.tmp-` folder or one without its
-    trainer state is not complete)."""
+def checkpoint_problem(folder: Path) -> Optional[str]:
+    """None if `folder` is a complete checkpoint, else why not (one phrase)."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST}: its write did not finish"
+    except (OSError, ValueError) as exc:
+        return f"unreadable {MANIFEST} ({type(exc).__name__})"
+    for name, size in manifest.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+    if STATE_FILE not in manifest.get("files", {}):
+        return f"no {STATE_FILE}"
+    return None
+
+
+def scan_checkpoints(run_dir: Path) -> Tuple[List[Path], List[Tuple[Path, str]]]:
+    """(complete checkpoints oldest first, [(incomplete folder, why)]). Per step, `step-N` is
+    taken when complete, else the `.old-step-N` a re-save moved aside when that one is; a
+    `.tmp-step-N` is a write that never finished."""
     folder = Path(run_dir) / FOLDER
     if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file()]
-    return [p for _, p in sorted(found)]
+        return [], []
+    steps: Dict[int, Dict[str, Path]] = {}
+    for path in folder.iterdir():
+        if (m := _NAME.match(path.name)) and path.is_dir():
+            steps.setdefault(int(m.group(2)), {})[m.group(1) or ""] = path
+    complete, skipped = [], []
+    for step in sorted(steps):
+        if ".tmp-" in steps[step]:
+            skipped.append((steps[step][".tmp-"], "its write did not finish"))
+        for kind in ("", ".old-"):
+            path = steps[step].get(kind)
+            problem = checkpoint_problem(path) if path is not None else "absent"
+            if problem is None:
+                complete.append(path)
+                break
+            if path is not None:
+                skipped.append((path, problem))
+    return complete, skipped
+
+
+def complete_checkpoints(run_dir: Path) -> List[Path]:
+    """Complete checkpoints of a run, oldest first (a `.tmp-` folder, or one whose manifest is
+    missing or does not match its files, is not complete)."""
+    return scan_checkpoints(run_dir)[0]
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def skipped_line(run_dir: Path) -> Optional[str]:
+    """One line about the checkpoints newer than the latest complete one that are not complete
+    (None when there are none)."""
+    complete, skipped = scan_checkpoints(run_dir)
+    newest = _step(complete[-1]) if complete else -1
+    newer = [(p, why) for p, why in skipped if _step(p) > newest]
+    if not newer:
+        return None
+    path, why = newer[-1]
+    taken = f"the last complete one is {complete[-1]}" if complete else "no earlier checkpoint is complete"
+    return f"checkpoint {path.name} is incomplete ({why}); {taken}"
+
+
+def _step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(2))
 
 
 def driver_rng_state() -> Dict[str, Any]:
@@ -76,25 +145,69 @@ def restore_driver_rng(state: Dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, learner, trainer_state: Dict[str, Any], keep: int) -> Path:
-    """Write checkpoint `step` atomically; keep only the newest `keep` (0: all)."""
+    """Write checkpoint `step` atomically; keep only the newest `keep` (0: all). An OSError of
+    the write (a full disk) removes the partial folder and raises CheckpointError."""
     final = checkpoint_path(run_dir, step)
-    tmp = final.parent / f".tmp-{final.name}"
-    for stale in final.parent.glob(".tmp-*") if final.parent.is_dir() else []:
-        shutil.rmtree(stale, ignore_errors=True)  # left by a process killed mid-write
-    tmp.mkdir(parents=True)
-    learner.save_checkpoint(str(tmp))
-    state_file = tmp / STATE_FILE
-    with state_file.open("w") as handle:
-        json.dump({**trainer_state, "rng": driver_rng_state()}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    tmp, aside = final.parent / f".tmp-{final.name}", final.parent / f".old-{final.name}"
+    _clear_leftovers(final.parent)
+    try:
+        tmp.mkdir(parents=True)
+        learner.save_checkpoint(str(tmp))
+        _write_synced(tmp / STATE_FILE, json.dumps({**trainer_state, "rng": driver_rng_state()}))
+        _write_synced(tmp / MANIFEST, json.dumps({"step": step, "files": _sizes(tmp)}))
+        _sync_folder(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(run_dir)
+        raise CheckpointError(f"the checkpoint of step {step} could not be written ({exc}); "
+                              + (f"the last complete one is {last}" if last else "no checkpoint is complete")) from exc
     if final.exists():  # the same step saved again (a resumed run that re-reached it)
-        shutil.rmtree(final)
+        os.rename(final, aside)
     os.rename(tmp, final)
+    _sync_folder(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
     if keep > 0:
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """Remove what killed saves left: `.tmp-` folders, and `.old-` ones whose step has a
+    complete checkpoint again (an `.old-` that is the only complete copy is renamed back)."""
+    if not folder.is_dir():
+        return
+    for stale in folder.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for aside in folder.glob(".old-step-*"):
+        final = folder / aside.name[len(".old-"):]
+        if checkpoint_problem(final) is None:
+            shutil.rmtree(aside, ignore_errors=True)
+        elif checkpoint_problem(aside) is None:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(aside, final)
+
+
+def _sizes(folder: Path) -> Dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync every file under `folder` and the folder entries, so the rename that follows
+    never publishes a checkpoint whose data is still only in the page cache."""
+    for path in [*sorted(Path(folder).rglob("*")), Path(folder)]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_trainer_state(checkpoint: Path) -> Dict[str, Any]:

@@ -36,9 +36,13 @@ def client(address: Optional[str]):
     return JobSubmissionClient(address or default_address())
 
 
-def runtime_env(env: Optional[Dict[str, str]] = None) -> dict:
+def runtime_env(env: Optional[Dict[str, str]] = None, stop_grace_s: Optional[int] = None) -> dict:
+    """The job's runtime env. `stop_grace_s` becomes RAY_JOB_STOP_WAIT_TIME_S, which Ray's job
+    supervisor (it runs with the job's env_vars) waits between SIGTERM and SIGKILL on stop."""
     source = os.environ if env is None else env
     env_vars = {k: v for k, v in source.items() if k.startswith(FORWARDED_ENV)}
+    if stop_grace_s is not None:
+        env_vars["RAY_JOB_STOP_WAIT_TIME_S"] = str(int(stop_grace_s))
     return {"working_dir": str(ROOT), "excludes": EXCLUDES, "env_vars": env_vars}
 
 
@@ -54,9 +58,10 @@ def submit(address: Optional[str], overrides: List[str], follow: bool = True,
     succeeded, 1 if not). The config is checked before anything is sent."""
     from cluster.compose import load_config
 
-    load_config(overrides)  # raises ConfigError (exit 2) before anything reaches the cluster
+    cfg = load_config(overrides)  # raises ConfigError (exit 2) before anything reaches the cluster
     jobs = client(address)
-    job_id = submit_when_ready(jobs, dict(entrypoint=entrypoint(overrides), runtime_env=runtime_env(),
+    env = runtime_env(stop_grace_s=cfg.trainer.stop_grace_s)
+    job_id = submit_when_ready(jobs, dict(entrypoint=entrypoint(overrides), runtime_env=env,
                                           submission_id=submission_id, metadata={"tool": "grpo"}))
     print(f"submitted job {job_id} to {address or default_address()}", flush=True)
     print(f"  follow: grpo jobs logs {job_id} --follow    stop: grpo jobs stop {job_id}", flush=True)

@@ -109,7 +109,7 @@ def make_batches(cfg: Config, roles: Roles, sampler, first_step: int):
 
 def find_resume_point(cfg: Config) -> Optional[Path]:
     """The checkpoint `trainer.resume` names (None: start fresh)."""
-    from cluster.checkpoint import latest_checkpoint
+    from cluster.checkpoint import latest_checkpoint, skipped_line
 
     if cfg.trainer.resume is None:
         return None
@@ -117,6 +117,9 @@ def find_resume_point(cfg: Config) -> Optional[Path]:
         return Path(cfg.trainer.resume).expanduser()
     run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
     found = latest_checkpoint(run_dir)
+    skipped = skipped_line(run_dir)
+    if skipped:  # a kill or a full disk during its write: the one before it is taken
+        say(f"trainer.resume=auto: {skipped}")
     if found is None:
         say(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting from the beginning")
     return found

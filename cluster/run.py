@@ -37,10 +37,12 @@ class Run:
 
     def start(self, prompts: Dict[str, object]) -> None:
         """Ray, the run folder, the actors of every role."""
+        from cluster.exits import watch_sigterm
         from common.ray_utils import init_ray
 
         cfg = self.cfg
         dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
+        watch_sigterm()  # ray.init put its own SIGTERM handler (a plain exit) in place of ours
         self.say(f"Ray dashboard: {dashboard}" if dashboard else "Ray: a local instance (no dashboard; join a "
                  "cluster with RAY_ADDRESS or ray.address to get one)")
         check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever

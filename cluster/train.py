@@ -74,31 +74,48 @@ def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) ->
 
 def run_steps(run: Run, first_step: int, heldout) -> None:
     """The GRPO steps: each one logged, evaluated and checkpointed as configured."""
-    from cluster.phases import grpo_step, injected_fault, make_batches, restart_line, resume_hint
+    from cluster.exits import steps_running
+    from cluster.phases import grpo_step, injected_fault, make_batches, resume_hint
     from cluster.sync_channel import WeightSyncError
     from learner.group import LearnerError
 
     cfg = run.cfg
     run.batches = make_batches(cfg, run.roles, run.sampler, first_step)
-    for step in range(first_step, cfg.trainer.max_steps + 1):
-        try:
-            row = grpo_step(step, run.version, run.roles, run.batches, run.buffer, cfg)
-        except (LearnerError, WeightSyncError) as error:
-            # A lost learner shard, or a push that could not be completed or retried (with NCCL a
-            # receiver lost mid-broadcast leaves the sender's communicator unusable): stop, say how
-            # to go on.
-            raise type(error)(f"{error} at step {step}; the run stopped. " + resume_hint(cfg, run.run_dir)) from error
-        run.version = row["policy_version"]
-        for event in row.pop("restart_events"):
-            run.say(restart_line(step, event))
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-            row.update(periodic_eval(run, heldout))
-        row["wall_seconds"] = time.time() - run.started  # since the job started: the gaps between steps show
-        run.logger.log(row)
-        if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.max_steps):
-            checkpoint(run, step)
-        injected_fault(step, run.roles)
+    with steps_running():
+        for step in range(first_step, cfg.trainer.max_steps + 1):
+            try:
+                row = grpo_step(step, run.version, run.roles, run.batches, run.buffer, cfg)
+            except (LearnerError, WeightSyncError) as error:
+                # A lost learner shard, or a push that could not be completed or retried (with NCCL
+                # a receiver lost mid-broadcast leaves the sender's communicator unusable): stop,
+                # say how to go on.
+                raise type(error)(f"{error} at step {step}; the run stopped. "
+                                  + resume_hint(cfg, run.run_dir)) from error
+            end_step(run, step, row, heldout)
+            injected_fault(step, run.roles)
     run.stop_batches()
+
+
+def end_step(run: Run, step: int, row: Dict[str, object], heldout) -> None:
+    """Log the step, evaluate and checkpoint on schedule; on SIGTERM, checkpoint it and stop."""
+    from cluster.exits import Preempted, stop_requested
+    from cluster.phases import resume_hint, restart_line
+
+    cfg = run.cfg
+    run.version = row["policy_version"]
+    for event in row.pop("restart_events"):
+        run.say(restart_line(step, event))
+    if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+        row.update(periodic_eval(run, heldout))
+    row["wall_seconds"] = time.time() - run.started  # since the job started: the gaps between steps show
+    run.logger.log(row)
+    stopping = stop_requested() and step < cfg.trainer.max_steps
+    if stopping or (cfg.trainer.save_every and (step % cfg.trainer.save_every == 0
+                                                 or step == cfg.trainer.max_steps)):
+        checkpoint(run, step)
+    if stopping:
+        raise Preempted(f"stopped by SIGTERM after step {step}, checkpointed; everything the run started "
+                        f"has been stopped. " + resume_hint(cfg, run.run_dir))
 
 
 def periodic_eval(run: Run, heldout) -> Dict[str, float]:

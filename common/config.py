@@ -505,6 +505,12 @@ class TrainerConfig(Section):
     resume: Optional[str] = None
     """`auto`: continue trainer.run_name from its newest complete checkpoint (start fresh if it
     has none); a checkpoint folder: continue from that one; None: a fresh run."""
+    stop_grace_s: int = 600
+    """Seconds between SIGTERM and SIGKILL that `grpo submit` asks Ray for (the job's
+    RAY_JOB_STOP_WAIT_TIME_S; Ray's own default is 3): on SIGTERM the run ends its step, writes
+    a checkpoint of it and exits 143, which needs a step's and a checkpoint's time. Other
+    schedulers send SIGTERM too: give them at least this grace (Kubernetes
+    terminationGracePeriodSeconds, Slurm KillWait or `--signal=TERM@SECONDS`)."""
 
     def check(self, name: str = "trainer") -> None:
         super().check(name)
@@ -513,6 +519,7 @@ class TrainerConfig(Section):
         at_least("trainer.prompts_per_step", self.prompts_per_step, 1)
         at_least("trainer.save_every", self.save_every, 0)
         at_least("trainer.keep_checkpoints", self.keep_checkpoints, 0)
+        at_least("trainer.stop_grace_s", self.stop_grace_s, 1)
         if self.resume == "auto" and not self.run_name:
             raise ConfigError("trainer.resume=auto needs trainer.run_name: the name of the run to continue")
 

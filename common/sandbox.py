@@ -34,9 +34,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-__all__ = ["SandboxLimits", "SandboxResult", "run_python", "sandbox_problem"]
+__all__ = ["SandboxLimits", "SandboxResult", "kill", "run_python", "sandbox_problem"]
 
 _NOBODY = 65534
 _RESULT_CAP = 64 * 1024
@@ -198,6 +198,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def kill(proc: subprocess.Popen) -> None:
+    """End a sandbox from another thread: its `run_python` call then returns at once."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL unshare and its process group. The sandbox's PID 1 dies with it (parent-death
     signal, or the group if it stayed in it), and the kernel then kills the whole namespace."""
@@ -209,9 +217,12 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits(),
-               capture_chars: int = 0) -> SandboxResult:
+               capture_chars: int = 0,
+               on_start: Optional[Callable[[subprocess.Popen], None]] = None) -> SandboxResult:
     """Run `program` then `tests` (Python source, assertions) in one sandboxed interpreter.
-    `capture_chars` > 0 keeps that much of what it prints, in `SandboxResult.output`."""
+    `capture_chars` > 0 keeps that much of what it prints, in `SandboxResult.output`.
+    `on_start(proc)` gets the sandbox's process as soon as it exists: a caller that shuts down
+    may kill it (`kill`) rather than wait for its time limit."""
     start = time.monotonic()
     as_root = os.getuid() == 0
     nonce = secrets.token_hex(16)
@@ -235,6 +246,8 @@ def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits()
         os.close(write_fd)
         return SandboxResult(False, False, f"sandbox did not start: {exc}", time.monotonic() - start)
     os.close(write_fd)
+    if on_start is not None:
+        on_start(proc)
     timed_out = False
     try:
         try:

@@ -101,7 +101,9 @@ class _EpisodeLoop:
         if not ready and self.calls and not self.requests:  # only tools left: sleep until one is done or due
             started = time.monotonic()
             futures = [c.future for c in self.calls.values() if c.future is not None]
-            due = min(c.deadline for c in self.calls.values()) - now
+            # a call still waiting for a free slot has no deadline yet (its limit counts from
+            # when it starts): look again within one time limit at the latest
+            due = min(min(c.deadline for c in self.calls.values()) - now, self.toolbox.timeout_s)
             if futures:
                 wait(futures, timeout=max(due, 0.0), return_when=FIRST_COMPLETED)
             self.waited += time.monotonic() - started

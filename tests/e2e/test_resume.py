@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -119,3 +122,60 @@ def test_export_writes_a_folder_transformers_and_vllm_load_with_the_trained_weig
     assert again.returncode == 2 and "not empty" in again.stderr
     bad = run(GRPO, "export", str(out / "resumed" / "checkpoints" / ".tmp-step-000003"), str(tmp_path / "x"))
     assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
+
+
+# --------------------------------------------------------------------------- preemption
+
+PREEMPT_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def preempted(model_cache, tmp_path_factory):
+    """A run without scheduled checkpoints (trainer.save_every=0) that gets SIGTERM once its
+    first step is logged, then `trainer.resume=auto` of it."""
+    out = tmp_path_factory.mktemp("preempt")
+    args = [a for a in _args(model_cache, out, "preempted") if not a.startswith(("trainer.save_every=",
+                                                                                  "trainer.max_steps="))]
+    args += ["trainer.save_every=0", f"trainer.max_steps={PREEMPT_STEPS}"]
+    metrics = out / "preempted" / "metrics.jsonl"
+    proc = subprocess.Popen([GRPO, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                metrics.exists() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    stopped.logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    resumed = run(GRPO, "train", *args, "trainer.resume=auto")
+    return out / "preempted", stopped, resumed
+
+
+def test_sigterm_ends_the_step_checkpoints_it_and_exits_143_with_the_resume_line(preempted):
+    run_dir, stopped, _ = preempted
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The resumed run rewrote metrics.jsonl: the stopped run's steps are what the resume line names.
+    line = stopped.stderr.strip().splitlines()[-1]
+    step = int(line.split("stopped by SIGTERM after step ")[1].split(",")[0])
+    assert 1 <= step < PREEMPT_STEPS
+    assert line == (f"grpo: stopped by SIGTERM after step {step}, checkpointed; everything the run started has "
+                    f"been stopped. Its last checkpoint is {run_dir / 'checkpoints' / f'step-{step:06d}'}: "
+                    f"continue with the same overrides plus trainer.run_name=preempted trainer.resume=auto")
+    assert "Traceback" not in stopped.stderr
+    assert stopped.logged == list(range(1, step + 1))  # it stopped at the step it checkpointed
+    assert logged == list(range(1, PREEMPT_STEPS + 1))
+
+
+def test_resume_after_sigterm_continues_with_no_step_logged_twice(preempted):
+    run_dir, stopped, resumed = preempted
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    step = int(stopped.stderr.split("stopped by SIGTERM after step ")[1].split(",")[0])
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:06d}'} (step {step}," in resumed.stdout
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, PREEMPT_STEPS + 1))  # each step once, none lost

@@ -181,15 +181,16 @@ def test_resume_settings_are_checked_before_anything_starts(tmp_path):
 
 
 def test_half_written_and_incomplete_checkpoints_are_never_picked(tmp_path):
-    from cluster.checkpoint import STATE_FILE, latest_checkpoint
+    from cluster.checkpoint import MANIFEST, STATE_FILE, latest_checkpoint
 
     folder = tmp_path / "checkpoints"
     assert latest_checkpoint(tmp_path) is None
     for name, complete in [("step-000002", True), ("step-000010", True), (".tmp-step-000020", True),
                            ("step-000030", False), ("step-10", True), ("notes", True)]:
         (folder / name).mkdir(parents=True)
+        (folder / name / STATE_FILE).write_text("{}")
         if complete:
-            (folder / name / STATE_FILE).write_text("{}")
+            (folder / name / MANIFEST).write_text('{"files": {"%s": 2}}' % STATE_FILE)
     assert latest_checkpoint(tmp_path) == folder / "step-000010"
 
 

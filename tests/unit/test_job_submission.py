@@ -36,3 +36,14 @@ def test_other_errors_and_an_agent_that_never_starts_are_raised():
         submit_when_ready(ScriptedJobs(refused, "never"), {}, poll_s=0)
     with pytest.raises(RuntimeError, match=AGENT_NOT_READY):
         submit_when_ready(ScriptedJobs(*[NOT_READY] * 50), {}, timeout_s=0.05, poll_s=0.01)
+
+
+@pytest.mark.parametrize("overrides, grace", [([], "600"), (["trainer.stop_grace_s=1800"], "1800")])
+def test_submit_gives_the_job_a_stop_grace_that_fits_a_step_and_a_checkpoint(monkeypatch, overrides, grace):
+    import cluster.jobs as jobs
+
+    scripted = ScriptedJobs("raysubmit_1")
+    monkeypatch.setattr(jobs, "client", lambda address: scripted)
+    assert jobs.submit(None, overrides, follow=False) == 0
+    (request,) = scripted.requests
+    assert request["runtime_env"]["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == grace

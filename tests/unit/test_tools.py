@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import threading
 import time
 
 import pytest
@@ -15,7 +18,7 @@ from learner.grpo import policy_loss
 from learner.tiny_model import build_tokenizer
 from reward.pool import _fields
 from rollout.tool_formats import FormatError, HermesFormat, TagFormat, make_format
-from rollout.tools import ToolBox, ToolError, calculator
+from rollout.tools import Lanes, ToolBox, ToolError, calculator
 from rollout.traces import calculator_trace, with_tool_traces
 from rollout.datasets import arithmetic_problems
 
@@ -130,16 +133,167 @@ def test_bad_calls_become_error_observations_never_exceptions(tool_fixtures):
         box.close()
 
 
-def test_a_pending_call_is_ready_at_its_deadline_and_then_reads_as_a_timeout(tool_fixtures):
+def test_a_call_s_time_limit_counts_from_when_it_starts_running(tool_fixtures):
     box = ToolBox([], {"hang": "tool_fixtures:hang"}, timeout_s=0.2, max_chars=20, sandbox=SandboxLimits())
     try:
-        call = box.submit("hang", "x")
+        call = box.submit("hang", "x")  # the first call also waits for its process to import
+        assert _eventually(lambda: call.started is not None)
+        assert call.started >= call.submitted and call.deadline == call.started + 0.2
         assert not call.ready(call.started)
         assert call.ready(call.deadline)
-        time.sleep(0.25)
+        assert _eventually(call.future.done)  # the box ends the hung call itself, at its limit
         assert call.observation(20).timed_out
     finally:
         box.close()
+
+
+def test_a_hung_custom_tool_costs_one_call_and_its_process_never_a_slot(tool_fixtures):
+    box = ToolBox([], {"hang": "tool_fixtures:hang", "echo": "tool_fixtures:echo"}, timeout_s=0.3,
+                  max_chars=20, sandbox=SandboxLimits(), lanes=Lanes(custom_slots=1, custom_queue=1))
+    try:
+        assert box.run("echo", "a").text == "a"
+        (proc,) = box.custom.processes
+        first = proc.pid
+        for _ in range(3):  # one slot: each hang must free it for the next call
+            assert box.run("hang", "x").timed_out
+        assert box.run("echo", "b").text == "b"
+        assert proc.pid != first and not _alive(first) and proc.restarts == 3
+    finally:
+        box.close()
+    assert not _leftovers()
+
+
+# --------------------------------------------------------------------------- lanes
+
+HUNG = "while True: pass"
+
+
+def test_hung_sandboxes_never_delay_the_calculator_and_closing_ends_them(tool_fixtures):
+    box = ToolBox(["calculator", "python"], {"echo": "tool_fixtures:echo"}, timeout_s=3.0, max_chars=50,
+                  sandbox=SandboxLimits(timeout_s=2.75))
+    try:
+        hung = [box.submit("python", HUNG) for _ in range(16)]  # 8 running, 8 waiting for a slot
+        assert _eventually(lambda: sum(c.started is not None for c in hung) == 8)
+        assert all(c.deadline == math.inf for c in hung if c.started is None)  # waiting: not timing out
+        asked = time.monotonic()
+        calc = box.submit("calculator", "6*7")
+        assert _eventually(calc.future.done, within=1.0)
+        answered = time.monotonic()
+        assert calc.observation(50).text == "42" and answered - asked < 1.0
+        assert not any(c.future.done() for c in hung)  # every hung program is still running
+        assert box.run("echo", "hi").text == "hi"  # custom tools have a lane of their own too
+    finally:
+        box.close()
+    assert all(c.future.done() for c in hung)
+    assert not _leftovers()
+
+
+def test_a_full_sandbox_queue_answers_a_new_call_at_once(tool_fixtures):
+    box = ToolBox(["calculator", "python"], {}, timeout_s=3.0, max_chars=50,
+                  sandbox=SandboxLimits(timeout_s=2.75), lanes=Lanes(sandbox_slots=2, sandbox_queue=1))
+    try:
+        hung = [box.submit("python", HUNG) for _ in range(3)]
+        full = box.submit("python", "print(1)")
+        assert full.ready(full.submitted)
+        refused = full.observation(50)
+        assert refused.error and not refused.timed_out
+        assert refused.text == "error: busy: 3 python sandbox calls are running or waiting; call again later"
+        assert box.run("calculator", "1+1").text == "2"
+        assert not any(c.future.done() for c in hung)
+    finally:
+        box.close()
+    assert not _leftovers()
+
+
+def test_an_episode_s_calculator_answers_while_sixteen_episodes_hang_in_the_sandbox():
+    """The episode loop with the real box and real sandboxes; the engine is scripted (which
+    turn ends when) so that the calculator call comes after the 16 hung ones."""
+    from rollout.episodes import Episode, Limits, run_episodes
+
+    box = ToolBox(["calculator", "python"], {}, timeout_s=3.0, max_chars=50, sandbox=SandboxLimits(timeout_s=2.75))
+    engine = ScriptedEngine({i: "<tool>python: " + HUNG for i in range(16)} | {16: "<tool>calculator: 123*456"},
+                            late={16})
+    episodes = [Episode(prompt_ids=[1], seed=i) for i in range(17)]
+    try:
+        stats = run_episodes(engine, build_tokenizer(), episodes, lambda ep, turn, room: None, box, TagFormat(),
+                             Limits(max_turns=2, max_new_tokens=8, max_episode_tokens=200, max_model_len=256),
+                             greedy=True)
+    finally:
+        box.close()
+    calc = episodes[16]
+    assert calc.transcript[1] == "<result>56088</result>" and calc.errors == 0
+    # its answer came within a second of its call, before any hung call's (their limits: 3 s)
+    assert engine.second_turn[16] - engine.first_turn_end[16] < 1.0
+    assert engine.second_turn[16] < min(engine.second_turn[i] for i in range(16))
+    assert all(ep.timeouts == 1 for ep in episodes[:16]) and stats["tool_timeouts"] == 16
+    assert not _leftovers()
+
+
+class _Sample:
+    def __init__(self, text):
+        self.text, self.token_ids, self.logprobs = text, [7] * 3, None
+        self.finish_reason, self.stop_reason = ("stop", "</tool>") if "<tool>" in text else ("stop", None)
+
+
+class _Output:
+    def __init__(self, request_id, text):
+        self.request_id, self.finished, self.outputs = request_id, True, [_Sample(text)]
+
+
+class ScriptedEngine:
+    """Each episode's first turn ends with its scripted call (those in `late` one step after
+    the others); a second turn ends the episode. Records when each turn ended and began."""
+
+    def __init__(self, calls, late):
+        self.calls, self.late, self.pending, self.steps = calls, late, [], 0
+        self.first_turn_end, self.second_turn = {}, {}
+
+    def add_request(self, request_id, prompt, params):
+        episode, turn = (int(x) for x in request_id.split("-")[1:])
+        if turn == 1:
+            self.second_turn[episode] = time.monotonic()
+        self.pending.append((request_id, episode, turn))
+
+    def step(self):
+        self.steps += 1
+        out, keep = [], []
+        for request_id, episode, turn in self.pending:
+            if turn == 0 and episode in self.late and self.steps == 1:
+                keep.append((request_id, episode, turn))
+                continue
+            if turn == 0:
+                self.first_turn_end[episode] = time.monotonic()
+            out.append(_Output(request_id, self.calls[episode] if turn == 0 else "done"))
+        self.pending = keep
+        return out
+
+
+def _eventually(condition, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _leftovers() -> list:
+    """Tool threads still alive, and sandbox or tool processes descending from this process."""
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("tool-")]
+    procs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if (b"unshare" in cmdline or b"rollout.tool_process" in cmdline) and parent == os.getpid():
+            procs.append(int(pid))
+    return threads + procs
 
 
 # --------------------------------------------------------------------------- config
