@@ -101,10 +101,11 @@ def section_table(section: str, entries: List[Tuple[str, str, str, str, str]]) -
     lines = [f"## `{section}`", ""]
     if doc and not doc.startswith(cls.__name__ + "("):  # a dataclass's generated signature is no docstring
         lines += [" ".join(doc.split()), ""]
-    lines += ["| key | type | default | allowed | what it does |", "| --- | --- | --- | --- | --- |"]
+    lines += ["| key and type | default | what it does |", "| --- | --- | --- |"]
     for key, kind, default, allowed, text in entries:
-        note = f" **Device-dependent:** {DEVICE_DEPENDENT[key]}" if key in DEVICE_DEPENDENT else ""
-        lines.append(f"| `{key}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(allowed)} | {_cell(text + note)} |")
+        note = f" **Allowed:** {allowed}." if allowed else ""
+        note += f" **Device-dependent:** {DEVICE_DEPENDENT[key]}" if key in DEVICE_DEPENDENT else ""
+        lines.append(f"| `{key}`<br>`{_cell(kind)}` | `{_cell(default)}` | {_cell(text + note)} |")
     return lines + [""]
 
 

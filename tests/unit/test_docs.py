@@ -21,7 +21,7 @@ def test_the_config_reference_is_fresh():
 def test_the_reference_lists_every_key_with_its_docstring():
     page = config_reference.render()
     for key, _, _, _, doc in config_reference.rows():
-        assert f"| `{key}` |" in page, key
+        assert f"| `{key}`<br>" in page, key
         assert doc, f"{key} has no docstring in common/config.py"
     for option in ("data=mul", "model=hf", "model=tiny", "logger=none"):
         assert f"| `{option}` |" in page
