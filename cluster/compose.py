@@ -169,8 +169,24 @@ def validate(cfg: Config) -> None:
                               f"(no {STATE_FILE}); use auto or a checkpoints/step-N folder")
     if cfg.data.source == "jsonl" and not os.path.exists(os.path.expanduser(cfg.data.path)):
         raise ConfigError(f"data.path: no such file '{cfg.data.path}'")
+    _check_model(cfg)
     _check_verifiers(cfg)
     _check_tools(cfg)
+
+
+def _check_model(cfg: Config) -> None:
+    """`model.path` with the built-in model is only the builder's own folder: any other folder or
+    hub id would run as `tiny` (no chat template by name, the tiny model's learning rate)."""
+    if cfg.model.name != "tiny" or not cfg.model.path:
+        return
+    from learner.tiny_model import tiny_model_dir
+
+    tags = cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
+    built = tiny_model_dir(cfg.model, cfg.trainer.seed, tags)
+    if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():
+        raise ConfigError(f"model.path='{cfg.model.path}' with model.name=tiny (the built-in model, built in "
+                          "model.cache_dir): for your own model add model=hf, and a learning rate for it "
+                          "(e.g. learner.lr=1e-6)")
 
 
 def _check_tools(cfg: Config) -> None:
