@@ -57,16 +57,36 @@ def _check_keys(overrides: Sequence[str]) -> None:
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception as exc:  # the grammar itself was violated
-        raise ConfigError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from exc
+    parser = OverridesParser.create()
+    parsed = []
+    for index, text in enumerate(overrides):  # one at a time, so that the error can name the key
+        try:
+            parsed.extend(parser.parse_overrides([text]))
+        except Exception as exc:  # the grammar itself was violated
+            raise ConfigError(_unreadable(text, overrides[index - 1] if index else None)) from exc
     known = set(schema_keys())
     for override in parsed:
         key = override.key_or_group
         if override.is_delete() or key in known or key in GROUPS or key.startswith(MAPPING_KEYS):
             continue
         raise ConfigError(f"unknown config key '{key}'{_nearest_key(key)}")
+
+
+def _unreadable(text: str, before: Optional[str]) -> str:
+    """One line for an override the grammar cannot read, with the quoting that works. Most often
+    the shell ate the quotes around a value with spaces, tags or braces, or split it in words."""
+    key, equals, value = text.partition("=")
+    key = key.lstrip("+~")
+    if not equals:
+        if before and "=" in before:
+            last = before.partition("=")[0].lstrip("+~")
+            return (f"'{text}' is not an override (key=value): if it is part of {last}'s value, the shell split it; "
+                    f"quote the whole override, e.g. '{last}=\"value with spaces\"'")
+        return f"'{text}' is not an override (key=value, group=option or ~key; see grpo train --cfg for the keys)"
+    inner, outer = ("'", '"') if '"' in value else ('"', "'")
+    quoted = f"{outer}{key}={inner}{value}{inner}{outer}"
+    return (f"{key}: the override grammar cannot read the value '{value}'; quote the value for Hydra "
+            f"inside quotes for the shell: {quoted}")
 
 
 def _explain(exc: Exception) -> str:
@@ -163,8 +183,24 @@ def validate(cfg: Config) -> None:
                               f"(no {STATE_FILE}); use auto or a checkpoints/step-N folder")
     if cfg.data.source == "jsonl" and not os.path.exists(os.path.expanduser(cfg.data.path)):
         raise ConfigError(f"data.path: no such file '{cfg.data.path}'")
+    _check_model(cfg)
     _check_verifiers(cfg)
     _check_tools(cfg)
+
+
+def _check_model(cfg: Config) -> None:
+    """`model.path` with the built-in model is only the builder's own folder: any other folder or
+    hub id would run as `tiny` (no chat template by name, the tiny model's learning rate)."""
+    if cfg.model.name != "tiny" or not cfg.model.path:
+        return
+    from learner.tiny_model import tiny_model_dir
+
+    tags = cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
+    built = tiny_model_dir(cfg.model, cfg.trainer.seed, tags)
+    if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():
+        raise ConfigError(f"model.path='{cfg.model.path}' with model.name=tiny (the built-in model, built in "
+                          "model.cache_dir): for your own model add model=hf, and a learning rate for it "
+                          "(e.g. learner.lr=1e-6)")
 
 
 def _check_tools(cfg: Config) -> None:

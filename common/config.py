@@ -282,7 +282,7 @@ class RolloutConfig(Section):
     """The batch is cut into about num_workers * chunks_per_worker chunks of prompts, each handed
     to whichever worker is free and scored as soon as it is done; more chunks even out the
     finish when completion lengths vary a lot, fewer batch better (on the built-in task one
-    chunk per worker is fastest: bench/results/ab_20261130.txt)."""
+    chunk per worker is fastest: bench/end_to_end.py)."""
     max_new_tokens: int = 32
     """Longest completion in tokens."""
     min_new_tokens: int = 0

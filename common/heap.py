@@ -1,9 +1,9 @@
 """The Python heap of a long-lived process: what its garbage collector need not walk again.
 
-An actor's start imports its stack (torch, vLLM or DeepSpeed and transformers: 0.4-0.7 million
-tracked objects) and builds its engine. Each of Python's automatic full collections walks every
-tracked object, and heavy imports trigger them again and again: 8-16 per process, 0.15-0.35 s
-apiece on this stack (vLLM's own five in an engine's start included). Young collections are
+An actor's start imports its stack (torch, vLLM or DeepSpeed and transformers: hundreds of
+thousands of tracked objects) and builds its engine. Each of Python's automatic full collections
+walks every tracked object, and heavy imports trigger them again and again, several times per
+process (vLLM's own in an engine's start included; bench/end_to_end.py's start-up). Young collections are
 cheap and still run throughout, so short-lived garbage is freed as usual.
 """
 from __future__ import annotations

@@ -47,9 +47,8 @@ def start_local_ray(num_cpus: int | None, num_gpus: int | None = None, env_vars:
              # Ray starts one idle worker process per CPU for the first driver, for tasks that
              # hardly come here: every actor gets a process of its own. Those workers start
              # while the actors import vLLM, torch and DeepSpeed, on the same cores. Without
-             # them a small run's actors were ready 3.0 s sooner on average on 2 cores (6
-             # interleaved pairs: 5 sooner by 2.7-6.8 s, one later by 4.3 s; the machine's own
-             # drift between runs is of that size). A RayConfig key of the Ray setup.py pins.
+             # them a small run's actors were ready sooner on 2 cores, in interleaved pairs
+             # (bench/end_to_end.py, "actors ready"). A RayConfig key of the Ray setup.py pins.
              _system_config={"prestart_worker_first_driver": False})
 
 

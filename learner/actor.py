@@ -236,7 +236,7 @@ class LearnerRank:
 
     def _staging(self, spec: weight_sync.WeightSpec, bucket, slot: int) -> "torch.Tensor":
         """One of two send buffers, kept from push to push: on CPUs a fresh 64 MB buffer per bucket
-        costs its page faults every time (measured: packing 455 MB took 0.67 s, most of it
+        costs its page faults every time (bench/weight_sync.py: most of a push's packing was
         faulting in new pages). Two, because one may still be on the wire while the next is packed;
         a slot is reused only after its broadcast finished. On GPUs the caching allocator reuses
         memory already."""

@@ -30,7 +30,7 @@ def _rendezvous(rank0_options: dict):
     """Where rank 0 will host torch.distributed's rendezvous: its node's address and a free port.
     On a one-node cluster that is the driver's node, known here. On several nodes a zero-CPU
     probe placed where rank 0 will be (`rank0_options`: its bundle) asks that node; the probe
-    is a task, and a task needs a Ray worker process started for it (1-3 s on the start-up's
+    is a task, and a task needs a Ray worker process started for it (seconds on the start-up's
     critical path, before any actor is created)."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if len(alive) == 1 and alive[0].get("NodeManagerAddress") == node_ip():

@@ -11,7 +11,7 @@ from typing import Dict, Sequence
 # minibatches, ranks) are combined weighted by their tokens, so these do not depend on how the
 # batch is cut: a plain mean over micro-batches cut by length gave the few longest completions,
 # alone in the last micro-batch, as much weight as all the others (the default job's entropy
-# read 0.45 nats/token where the token mean was 0.37: bench/results/token_means_20261202.md).
+# read well above its token mean: bench/token_means.py).
 TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean", "entropy", "is_weight_mean", "is_capped_fraction",
                "sampler_logprob_gap", "value_loss", "value_clip_fraction", "value_mean")
 # The step's largest: the largest ratio, and the slowest and most memory-hungry rank (the one a

@@ -115,8 +115,8 @@ def stop_token_ids(model_path: str, tokenizer, chat: bool) -> List[int]:
 def load_tokenizer(model_path: str, built_in: bool):
     """The model's tokenizer. The built-in model's folder is this project's own (its builder made
     it for this config), written by `save_pretrained`, which records the tokenizer's class in
-    tokenizer_config.json: that class is imported directly (1.7 CPU-s in a fresh process) instead
-    of through AutoTokenizer (6.0: its module imports transformers' model registry, and with it
+    tokenizer_config.json: that class is imported directly instead of through AutoTokenizer
+    (several times dearer in a fresh process: its module imports transformers' model registry, and with it
     torch, torch._dynamo and torch.distributed.tensor), which the driver would pay before Ray
     starts. Any other folder, or one whose class transformers does not export, goes through
     AutoTokenizer and all its rules (remote code, per-model overrides)."""

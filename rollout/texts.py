@@ -2,9 +2,8 @@
 would have built while generating.
 
 Asked for the sampled tokens' log-probs (the importance weights need them), vLLM decodes every
-sampled token once more for its log-prob entry: on CPUs about a fifth of an engine's generation
-time for the built-in task (256 completions, one thread: 1.22 s with vLLM's texts, 0.97 s
-decoded here; bench/results/cpu_work_20261201.md). So training
+sampled token once more for its log-prob entry: on CPUs a sizeable share of an engine's
+generation time for the built-in task (bench/cpu_floor.py phases). So training
 samples are generated without vLLM's detokenization (when no stop string needs it) and decoded
 here once, the way vLLM would: one `DecodeStream` primed with the prompt, stepped token by token
 (so text held back for an incomplete UTF-8 character at the end is dropped, not replaced), the

@@ -61,10 +61,9 @@ def no_compile() -> None:
     """No torch.compile in this process or the processes it starts (a tensor-parallel engine's
     ranks), for an eager engine on CPUs. vLLM's sampler still compiles one helper (the rank of
     each sampled token among the logits, which every log-prob request computes) the first time a
-    request asks for log-probs: on CPUs Inductor then writes and compiles C++, about 1.8 s of the
-    first training step of every engine (64 x 8 completions of the built-in model: 2.72 s with
-    it, 0.86-0.89 s without, later calls 0.80-0.88 s either way:
-    bench/results/first_step_compile_20261202.md). An eager engine compiles nothing else."""
+    request asks for log-probs: on CPUs Inductor then writes and compiles C++, most of the first
+    training step of every engine, while later calls are the same either way (bench/first_sample.py).
+    An eager engine compiles nothing else."""
     import torch._dynamo
 
     os.environ["TORCH_COMPILE_DISABLE"] = "1"  # torch reads it at import: a rank process started fresh
@@ -92,7 +91,7 @@ class GenerationWorker:
         if current_platform.is_cpu():
             # The engine core inside this actor instead of a process of its own: on CPUs that
             # process re-imports torch and vLLM at start and every generate call pays a round
-            # trip to it (bench/results/ab_20261130.txt: start-up and steps both faster). A
+            # trip to it (bench/end_to_end.py: start-up and steps both faster). A
             # tensor-parallel engine's ranks stay processes of vLLM's `mp` executor. On GPUs
             # vLLM's own process overlaps scheduling with the GPU's work: kept there.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -12,8 +12,8 @@ import os
 # OpenMP's default has a thread that finished its share spin for a while before it sleeps: with
 # the cores oversubscribed that spinning takes them from the other worker's processes. PASSIVE
 # makes waiting threads sleep at once. It changes no result, only who waits how: two small runs
-# at once (`grpo train`, 1 engine, 2 ranks, 4 steps each) took 103-107 CPU-s and 56-59 s with
-# it against 115-120 CPU-s and 64-66 s without (bench/results/suite_20261202_morning.md). Set
+# at once (`grpo train`, 1 engine, 2 ranks, 4 steps each) took less CPU time and wall time with
+# it than without (bench/cpu_floor.py processes, around each pair). Set
 # before anything loads OpenMP; every process the suite starts inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -174,8 +174,9 @@ def test_a_built_in_folder_that_names_no_exported_class_goes_through_autotokeniz
 
 
 def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path):
-    """A folder the user names (model.path), even with the tiny model's group, goes through
-    AutoTokenizer; so does a built-in folder made for other settings (with or without tool tags)."""
+    """A folder the user names (model=hf model.path) goes through AutoTokenizer; so does a built-in
+    folder made for other settings (with or without tool tags). With the tiny model's group a
+    folder of the user's is refused (tests/unit/test_recipes.py)."""
     from cluster.compose import load_config
     from cluster.preflight import is_built_in
     from learner.tiny_model import tiny_model_dir
@@ -186,7 +187,6 @@ def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path)
     tools = load_config([f"model.cache_dir={tmp_path}", "rollout.tools=[calculator]"])
     tools.model.path = cfg.model.path
     assert not is_built_in(tools)
-    for overrides in ([f"model.path={tmp_path / 'mine'}"], ["model=hf", f"model.path={tmp_path / 'mine'}"],
-                      ["model.path=Qwen/Qwen2.5-0.5B"]):
+    for overrides in (["model=hf", f"model.path={tmp_path / 'mine'}"], ["model=hf", "model.path=Qwen/Qwen2.5-0.5B"]):
         user = load_config([f"model.cache_dir={tmp_path}", *overrides])
         assert not is_built_in(user), overrides
