@@ -44,6 +44,9 @@ def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, gr
         **{k: float(v - before.get(k, 0)) for k, v in worker.endpoint.stats.items()},
         "per_item/policy_version": [version] * len(groups),
     }
+    error = next((r.error for r in results if r.error is not None), None)
+    if error is not None:
+        stats["first_agent_error"] = error
     drift = next((s.drift for s in sessions if s.drift is not None), None)
     if drift is not None:
         stats["first_drift"] = {"turn": drift.turn, "position": drift.position, "stored": drift.stored,

@@ -25,6 +25,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 from rollout.sessions import Session, SessionStore, Turn, plan_turn, record_turn
 
 
@@ -122,9 +125,6 @@ class AgentEndpoint:
         self._thread.join(timeout=10)
 
     def _app(self):
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         async def answer(request: Request, session_id: str, handler) -> JSONResponse:
@@ -295,6 +295,8 @@ def _parse(kind, body: dict):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise EndpointError(400, f"{where}: {first.get('msg')}"[:300]) from None
+    except Exception as exc:  # validators that fail on a wrong type with their own exception
+        raise EndpointError(400, f"malformed request: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def _usage(prompt_tokens: int, outputs: list) -> dict:
