@@ -314,6 +314,22 @@ class RolloutConfig(Section):
     """Hard limit of one tool call; a call past it returns an error to the model (counted)."""
     tool_max_output_chars: int = 256
     """A tool's result is cut to this many characters before the model reads it."""
+    agent: Optional[str] = None
+    """Your own agent, `module:function`, called once per sample as `function(client, row, index)`
+    with an OpenAI client pointed at its own session of the generation worker's endpoint
+    (`async def`: `openai.AsyncOpenAI`, `def`: `openai.OpenAI`); it returns the final answer text
+    or None. Each session is trained on exactly the tokens the sampler produced
+    (docs: tools and agents). Imported from the working directory too."""
+    agent_concurrency: int = 8
+    """Agents running at once per generation worker, each in a process of its own."""
+    agent_timeout_s: float = 60.0
+    """Wall-clock limit of one agent's episode; past it the agent's process is killed and the
+    episode is scored 0 (counted as `agent_timeouts`)."""
+    endpoint_host: str = "127.0.0.1"
+    """Address the agents' endpoint listens on: loopback (agents run beside the engine), or the
+    node's address for agents elsewhere."""
+    endpoint_max_request_kb: int = 1024
+    """A request body over this size is answered 413."""
 
     @property
     def episodes(self) -> bool:
@@ -321,9 +337,14 @@ class RolloutConfig(Section):
         return bool(self.tools or self.custom_tools)
 
     @property
+    def multi_turn(self) -> bool:
+        """Samples span several model turns (tool episodes or agent sessions)."""
+        return self.episodes or self.agent is not None
+
+    @property
     def completion_budget(self) -> int:
         """The most tokens a sample has after its prompt (the learner's max completion length)."""
-        if not self.episodes:
+        if not self.multi_turn:
             return self.max_new_tokens
         return min(self.max_episode_tokens or self.max_new_tokens * self.max_turns, self.max_model_len - 1)
 
@@ -344,6 +365,12 @@ class RolloutConfig(Section):
                               f"{self.max_new_tokens}")
         at_least("rollout.max_episode_tokens", self.max_episode_tokens, 0)
         at_least("rollout.tool_max_output_chars", self.tool_max_output_chars, 1)
+        at_least("rollout.agent_concurrency", self.agent_concurrency, 1)
+        at_least("rollout.endpoint_max_request_kb", self.endpoint_max_request_kb, 1)
+        if self.agent_timeout_s <= 0:
+            raise ConfigError(f"rollout.agent_timeout_s must be above 0 (got {self.agent_timeout_s})")
+        if self.agent is not None and self.episodes:
+            raise ConfigError("rollout.agent with rollout.tools: an agent runs its own tools; set one or the other")
         if self.tool_timeout_s <= 0:
             raise ConfigError(f"rollout.tool_timeout_s must be above 0 (got {self.tool_timeout_s})")
         for key in ("num_workers", "max_new_tokens", "chunks_per_worker", "tensor_parallel_size"):

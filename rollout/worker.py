@@ -114,6 +114,23 @@ class GenerationWorker:
         self.tools = self.format = None
         if rollout_cfg.episodes:
             self._start_tools()
+        self.agents = None
+        if rollout_cfg.agent is not None:
+            self._start_agents(model_path)
+
+    def _start_agents(self, model_path: str) -> None:
+        from rollout.agents import AgentPool
+        from rollout.endpoint import AgentEndpoint, EngineBridge
+        from rollout.sessions import SessionStore
+
+        c = self.cfg
+        self.tokenizer = self.llm.get_tokenizer()
+        self.sessions, self.bridge = SessionStore(), EngineBridge()
+        self._agent_call: Dict[str, Any] = {}
+        self.endpoint = AgentEndpoint(self.tokenizer, self._agent_sampling, self.sessions, self.bridge,
+                                      os.path.basename(model_path.rstrip("/")), c.endpoint_host,
+                                      c.endpoint_max_request_kb, c.max_model_len)
+        self.agents = AgentPool(c.agent, c.agent_concurrency, c.agent_timeout_s, search_path=[os.getcwd()])
 
     def _start_tools(self) -> None:
         from common.sandbox import SandboxLimits
@@ -207,6 +224,10 @@ class GenerationWorker:
         seeds = self._request_seeds(seeds, greedy)
         if self.tools is not None:
             return self._episodes(prompts, n, greedy, seeds, temperature, version)
+        if self.agents is not None:
+            from rollout.agent_episodes import run_agents
+
+            return run_agents(self, prompts, n, greedy, seeds, temperature, version)
         rust = self._rust_tokenizer
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
         outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
@@ -274,6 +295,27 @@ class GenerationWorker:
             **stats,
         }
         return (*groups, out)
+
+    def _agent_sampling(self, n: int, temperature, top_p, max_tokens: int, stop, seed, turn, trained: bool):
+        """SamplingParams of one endpoint request. A trained turn samples at the run's settings
+        (the learner's log-probs are computed at them) with the session's seed for that turn; a
+        call off the chain takes the request's own."""
+        session_id, index = turn
+        call = self._agent_call
+        base = call.get("seeds", {}).get(session_id)
+        greedy = call.get("greedy", False)
+        seed_for_turn = None if base is None else (base + 7919 * index) % (2**31)
+        params = self.sampling_params(n, greedy, seed_for_turn if trained or seed is None else seed,
+                                      call.get("temperature") if trained else temperature, max_tokens)
+        if not trained and top_p is not None:
+            params.top_p = top_p
+        if stop:
+            params.stop = list(params.stop or []) + ([stop] if isinstance(stop, str) else list(stop))
+        return params
+
+    def endpoint_address(self) -> str:
+        """Where the agents' endpoint listens (host:port); empty without an agent."""
+        return "" if self.agents is None else f"{self.endpoint.host}:{self.endpoint.port}"
 
     @exits_if_engine_died
     def prompt_logprobs(self, prompts: Sequence[str]) -> List[List[float]]:

@@ -1,0 +1,106 @@
+"""`generate` with an agent: one session per sample, the agents in their processes, the engine
+stepping every session's requests together until every agent has returned."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+from common.prompt_group import PromptGroup
+from rollout.agents import AgentResult, AgentTask
+from rollout.sessions import Session
+
+_IDLE_WAIT_S = 0.005
+
+
+def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, greedy: bool, seeds: Sequence[int],
+               temperature, version: int) -> Tuple[Any, ...]:
+    """n agent sessions per prompt; returns the groups, then the stats (as `generate` does)."""
+    c = worker.cfg
+    sessions: List[Session] = []
+    tasks: List[AgentTask] = []
+    session_seeds: Dict[str, int] = {}
+    for (_, prompt, answer, fields), seed in zip(prompts, seeds):
+        for j in range(n):
+            session = worker.sessions.open(c.completion_budget)
+            if not greedy and seed is not None:  # None: unseeded sampling (rollout.seeded_sampling)
+                session_seeds[session.id] = seed * 1009 + j
+            row = {**fields, "prompt": prompt, "answer": answer}
+            tasks.append(AgentTask(len(sessions), worker.endpoint.base_url(session), session.key, row, j))
+            sessions.append(session)
+    worker._agent_call = {"seeds": session_seeds, "greedy": greedy, "temperature": temperature}
+    before = dict(worker.endpoint.stats)
+    results = _drive(worker, tasks)
+    worker._agent_call = {}
+    for session in sessions:
+        worker.sessions.close(session.id)
+    groups = [_group(prompts[k], sessions[k * n:(k + 1) * n], results[k * n:(k + 1) * n], worker, greedy, version)
+              for k in range(len(prompts))]
+    stats: Dict[str, Any] = {
+        "completions": float(len(sessions)),
+        "completion_tokens": float(sum(sum(s.mask) for s in sessions)),
+        "turns": float(sum(s.turns for s in sessions)),
+        "agent_errors": float(sum(r.error is not None and not r.timed_out for r in results)),
+        "agent_timeouts": float(sum(r.timed_out for r in results)),
+        "template_drift": float(sum(s.drift_turns for s in sessions)),
+        **{k: float(v - before.get(k, 0)) for k, v in worker.endpoint.stats.items()},
+        "per_item/policy_version": [version] * len(groups),
+    }
+    error = next((r.error for r in results if r.error is not None), None)
+    if error is not None:
+        stats["first_agent_error"] = error
+    drift = next((s.drift for s in sessions if s.drift is not None), None)
+    if drift is not None:
+        stats["first_drift"] = {"turn": drift.turn, "position": drift.position, "stored": drift.stored,
+                                "rendered": drift.rendered}
+    return (*groups, stats)
+
+
+def _drive(worker, tasks: List[AgentTask]) -> List[AgentResult]:
+    """Step the engine for the endpoint's requests until every agent has returned."""
+    pool, bridge, engine = worker.agents, worker.bridge, worker.llm.llm_engine
+    results: Dict[int, AgentResult] = {}
+    pool.submit(tasks)
+    try:
+        while pool.pending:
+            bridge.pump(engine, wait_s=_IDLE_WAIT_S)
+            for result in pool.poll(0.0):
+                results[result.task_id] = result
+    except BaseException:
+        bridge.fail_all("the worker stopped this call")
+        raise
+    return [results[t.task_id] for t in tasks]
+
+
+def _group(prompt: Tuple[int, str, str, dict], sessions: List[Session], results: List[AgentResult], worker,
+           greedy: bool, version: int) -> PromptGroup:
+    """One prompt's sessions as a group: the common prefix of their first prompts is the group's
+    prompt; what a session's own first prompt adds goes into its completion, masked."""
+    index, text, answer, fields = prompt
+    eos = worker.tokenizer.eos_token_id
+    firsts = [s.prompt_ids for s in sessions if s.turns]
+    common = _common_prefix(firsts) if firsts else list(worker.tokenizer(text)["input_ids"])
+    ids, masks, logprobs, finishes, completions, transcripts = [], [], [], [], [], []
+    for session, result in zip(sessions, results):
+        failed = result.error is not None or not session.turns
+        head = session.prompt_ids[len(common):] if session.turns else []
+        if failed:  # an agent that raised, hung or never asked: an episode of one masked token, scored 0
+            ids.append([eos]), masks.append([0]), logprobs.append([0.0])
+        else:
+            ids.append(head + session.ids)
+            masks.append([0] * len(head) + session.mask)
+            logprobs.append([0.0] * len(head) + session.logprobs)
+        finishes.append("error" if failed else session.finish)
+        answer_text = result.answer if result.answer is not None else "".join(session.texts)
+        completions.append("" if failed else answer_text)
+        transcripts.append("" if failed else "".join(session.transcript))
+    return PromptGroup(index=index, prompt=text, answer=answer, fields=fields, prompt_ids=common,
+                       completions=completions, completion_ids=ids, finish_reasons=finishes, policy_version=version,
+                       sampler_logprobs=None if greedy else logprobs, loss_masks=masks, transcripts=transcripts)
+
+
+def _common_prefix(lists: List[List[int]]) -> List[int]:
+    first = lists[0]
+    end = len(first)
+    for other in lists[1:]:
+        end = min(end, len(other))
+        end = next((i for i in range(end) if first[i] != other[i]), end)
+    return list(first[:end])

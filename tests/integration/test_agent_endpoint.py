@@ -1,0 +1,218 @@
+"""Agents through the OpenAI-compatible endpoint of a real generation worker (vLLM CPU build),
+with the real `openai` package as their client, in processes of their own.
+
+What is checked: the ids a session trains on are exactly the prompt the sampler saw and the ids
+it sampled, turn after turn; a chat template that is not append-only is detected and the stored
+ids win; hostile agents (raise, hang, no key, another session's URL, huge requests) end only
+their own episode and are counted.
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+from dataclasses import replace
+
+import pytest
+
+AGENTS = textwrap.dedent('''
+    import json, time, urllib.request
+
+    def chat(client, row, index):
+        """Two turns: ask, then send the reply back with a follow-up question."""
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "again:"}]
+        second = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+        return second.choices[0].message.content
+
+    async def chat_async(client, row, index):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+        side = await client.chat.completions.create(model="m", messages=messages, max_tokens=3, n=2)
+        assert len(side.choices) == 2
+        return reply.choices[0].message.content
+
+    def raises(client, row, index):
+        raise RuntimeError("the agent's own bug")
+
+    def hangs(client, row, index):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        while True:
+            pass
+
+    def hostile(client, row, index):
+        """Every misuse an agent can make of the endpoint; what each got back, as JSON."""
+        base, key = str(client.base_url).rstrip("/"), client.api_key
+        def post(url, body, headers):
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status
+            except urllib.error.HTTPError as error:
+                return error.code
+            except urllib.error.URLError as error:  # answered 413 and closed before the body was all sent
+                if isinstance(error.reason, (BrokenPipeError, ConnectionResetError)):
+                    return 413
+                raise
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}).encode()
+        auth = {"Authorization": "Bearer " + key}
+        other = base.rsplit("/s/", 1)[0] + "/s/not-a-session/v1"
+        codes = {
+            "no_key": post(base + "/chat/completions", body, {}),
+            "wrong_key": post(base + "/chat/completions", body, {"Authorization": "Bearer nope"}),
+            "other_session": post(other + "/chat/completions", body, auth),
+            "too_big": post(base + "/chat/completions", b"{" + b" " * (3 * 1024 * 1024) + b"}", auth),
+            "not_json": post(base + "/chat/completions", b"{oops", auth),
+            "bad_field": post(base + "/chat/completions", json.dumps({"messages": 3}).encode(), auth),
+        }
+        huge = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2="}],
+                                              max_tokens=1_000_000)
+        codes["huge_tokens"] = len(huge.choices[0].message.content) >= 0
+        return json.dumps(codes)
+''')
+
+
+@pytest.fixture(scope="module")
+def worker(system_cfg, tmp_path_factory):
+    from rollout.worker import GenerationWorker
+
+    folder = tmp_path_factory.mktemp("agents")
+    (folder / "test_agents_plugin.py").write_text(AGENTS)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        cfg = replace(system_cfg.rollout, agent="test_agents_plugin:chat", agent_concurrency=4, agent_timeout_s=20.0,
+                      max_new_tokens=8, max_turns=3, max_model_len=128, kv_cache_gib=0.25, enforce_eager=True,
+                      dtype="float32", endpoint_max_request_kb=1024)
+        worker = GenerationWorker(system_cfg.model.path, cfg, seed=0)
+    finally:
+        os.chdir(cwd)
+    tap = Tap(worker.llm.llm_engine)
+    worker.llm.llm_engine = tap
+    yield worker, tap
+    worker.agents.close()
+    worker.endpoint.close()
+    import torch._dynamo
+
+    torch._dynamo.config.disable = False
+    for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
+        os.environ.pop(name, None)
+
+
+class Tap:
+    """The engine, with a record of each request's prompt ids and sampled ids (every call goes to
+    the real engine)."""
+
+    def __init__(self, engine):
+        self.engine, self.prompts, self.sampled = engine, {}, {}
+
+    def add_request(self, request_id, prompt, params):
+        self.prompts[request_id] = list(prompt["prompt_token_ids"])
+        return self.engine.add_request(request_id, prompt, params)
+
+    def step(self):
+        outs = self.engine.step()
+        for out in outs:
+            if out.finished:
+                self.sampled[out.request_id] = [list(c.token_ids) for c in out.outputs]
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def use_agent(worker, name: str, timeout_s: float = 20.0):
+    from rollout.agents import AgentPool
+
+    worker.agents.close()
+    worker.agents = AgentPool(f"test_agents_plugin:{name}", 4, timeout_s, search_path=worker.agents.search_path)
+
+
+def chains(tap, before: set):
+    """The requests since `before`, grouped into each session's chain by prompt prefix."""
+    new = [r for r in tap.prompts if r not in before]
+    return [(tap.prompts[r], tap.sampled[r]) for r in new]
+
+
+def test_trained_ids_are_exactly_the_sampled_ids_of_every_turn(worker):
+    worker, tap = worker
+    use_agent(worker, "chat")
+    before = set(tap.prompts)
+    *groups, stats = worker.generate((0, "12+34=", "46", {}), (1, "7*8=", "56", {}), n=2, greedy=False, seeds=[3, 4])
+    assert stats["agent_errors"] == 0 and stats["agent_timeouts"] == 0, stats.get("first_agent_error")
+    assert stats["turns"] == 8 and stats["off_chain_calls"] == 0
+    requests = chains(tap, before)
+    assert len(requests) == 8
+    for group in groups:
+        for ids, mask, logprobs in zip(group.completion_ids, group.loss_masks, group.sampler_logprobs):
+            sequence = group.prompt_ids + ids
+            # The last request of the chain saw everything before its sample: the session's ids
+            # are that prompt followed by exactly what was sampled for it.
+            last = [(p, s) for p, s in requests if sequence[:len(p)] == p and len(p) > len(group.prompt_ids) + 1]
+            assert last, "no turn of this session continued from its stored ids"
+            prompt, sampled = max(last, key=lambda r: len(r[0]))
+            assert sequence == prompt + sampled[0]
+            # Every token with mask 1 was sampled, in order: the first turn's, then the second's.
+            first = [(p, s) for p, s in requests if p == group.prompt_ids]
+            trained = [t for t, m in zip(ids, mask) if m]
+            assert any(trained == s[0] + sampled[0] for _, s in first)
+            assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)
+            assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m)
+
+
+def test_a_template_that_is_not_append_only_is_detected_and_the_stored_ids_win(worker):
+    worker, tap = worker
+    use_agent(worker, "chat")
+    tokenizer = worker.tokenizer
+    original = tokenizer.chat_template
+    # Drops earlier assistant turns' text, as templates that strip past reasoning do.
+    tokenizer.chat_template = original.replace(
+        "message['content']", "(('[past]' if message['role'] == 'assistant' and not loop.last else message['content']))")
+    try:
+        before = set(tap.prompts)
+        *groups, stats = worker.generate((0, "12+34=", "46", {}), n=2, greedy=False, seeds=[5])
+    finally:
+        tokenizer.chat_template = original
+    assert stats["template_drift"] == 2
+    assert stats["first_drift"]["turn"] == 1
+    requests = chains(tap, before)
+    for ids in groups[0].completion_ids:
+        sequence = groups[0].prompt_ids + ids
+        assert any(sequence == p + s[0] for p, s in requests)  # still one unbroken sampled chain
+        assert "[past]" not in tokenizer.decode(sequence)
+
+
+def test_async_agents_and_side_calls_are_served_but_not_trained(worker):
+    worker, tap = worker
+    use_agent(worker, "chat_async")
+    *groups, stats = worker.generate((0, "5+5=", "10", {}), n=3, greedy=False, seeds=[7])
+    assert stats["agent_errors"] == 0
+    assert stats["off_chain_calls"] == 3 and stats["turns"] == 3
+    assert all(sum(m) == len(ids) for ids, m in zip(groups[0].completion_ids, groups[0].loss_masks))
+
+
+def test_hostile_agents_end_only_their_own_episode(worker):
+    import json
+
+    worker, _ = worker
+    use_agent(worker, "raises")
+    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
+    assert stats["agent_errors"] == 2 and groups[0].finish_reasons == ["error", "error"]
+    assert all(sum(m) == 0 for m in groups[0].loss_masks)
+
+    use_agent(worker, "hangs", timeout_s=3.0)
+    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
+    assert stats["agent_timeouts"] == 2
+
+    use_agent(worker, "hostile")
+    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=1, greedy=False, seeds=[1])
+    assert stats["agent_errors"] == 0, stats.get("first_agent_error")
+    codes = json.loads(groups[0].completions[0])
+    assert codes == {"no_key": 401, "wrong_key": 401, "other_session": 404, "too_big": 413, "not_json": 400,
+                     "bad_field": 400, "huge_tokens": True}
+    assert stats["agent_rejected"] == 6
+    # The worker still serves a well-behaved agent afterwards.
+    use_agent(worker, "chat")
+    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
+    assert stats["agent_errors"] == 0 and stats["turns"] == 4
