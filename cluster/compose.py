@@ -213,6 +213,11 @@ def _check_tools(cfg: Config) -> None:
             load_function(path, [os.getcwd()])
         except ValueError as exc:
             raise ConfigError(f"rollout.custom_tools.{name}: {exc}") from None
+    if cfg.rollout.agent is not None:
+        try:
+            load_function(cfg.rollout.agent, [os.getcwd()])
+        except ValueError as exc:
+            raise ConfigError(f"rollout.agent: {exc}") from None
     if "python" in cfg.rollout.tools:
         problem = sandbox_problem()
         if problem:

@@ -369,3 +369,16 @@ def test_unseeded_requests_seed_the_engine_once_per_call():
     assert [c[0] for c in calls] == ["reseed"] * 3
     assert calls[0] == calls[1] != calls[2]
     assert GenerationWorker.sampling_params(SimpleNamespace(cfg=RolloutConfig(), format=None), 2, False, None).seed is None
+
+
+def test_an_agent_that_cannot_run_is_refused_before_any_actor(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_agent.py").write_text("def run(client, row, index):\n    return None\nvalue = 3\n")
+    cfg = load_config(["rollout.agent=my_agent:run"])
+    validate(cfg)
+    assert "rollout.agent: cannot import 'no_such_agent'" in config_error("rollout.agent=no_such_agent:run")
+    assert "rollout.agent: 'my_agent' has no function 'value'" in config_error("rollout.agent=my_agent:value")
+    assert "rollout.agent: 'my_agent' is not of the form module:function" in config_error("rollout.agent=my_agent")
+    assert "rollout.agent_concurrency must be at least 1" in config_error("rollout.agent=my_agent:run",
+                                                                        "rollout.agent_concurrency=0")
+    assert "set one or the other" in config_error("rollout.agent=my_agent:run", "rollout.tools=[calculator]")
