@@ -9,6 +9,7 @@ COMMON = [
     "wandb>=0.22",
     "math-verify==0.9.0",
     "datasets>=3.0",
+    "accelerate>=1.1.0",  # transformers' HfDeepSpeedConfig (ZeRO-3 built partitioned) requires it
     "pyarrow",
     "matplotlib",
     "tqdm",
