@@ -10,6 +10,8 @@ COMMON = [
     "math-verify==0.9.0",
     "datasets>=3.0",
     "accelerate>=1.1.0",  # transformers' HfDeepSpeedConfig (ZeRO-3 built partitioned) requires it
+    "peft==0.21.2",  # learner.lora: adapters trained and pushed on their own
+    "openai>=1.0",  # the client rollout.agent plug-ins are handed (vLLM depends on it too)
     "pyarrow",
     "matplotlib",
     "tqdm",
