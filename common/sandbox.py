@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from common.child import die_with_parent
+
 __all__ = ["SandboxLimits", "SandboxResult", "kill", "run_python", "sandbox_problem"]
 
 _NOBODY = 65534
@@ -190,14 +192,6 @@ def _read_report(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
-def _die_with_parent() -> None:
-    """In the forked child before exec: if the caller dies (a killed scorer process), so does
-    unshare, and --kill-child takes the sandbox down with it."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def kill(proc: subprocess.Popen) -> None:
     """End a sandbox from another thread: its `run_python` call then returns at once."""
     try:
@@ -240,7 +234,7 @@ def run_python(program: str, tests: str, limits: SandboxLimits = SandboxLimits()
         proc = subprocess.Popen(_unshare_command(as_root), stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                 pass_fds=(write_fd,), cwd="/", start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)

@@ -15,14 +15,11 @@ order, with status ``ok``, ``timeout`` (the verifier gave up itself, e.g. the co
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
+from common.child import ChildProcess, attach
 from common.config import RewardConfig
 from reward.registry import combine
 
@@ -50,7 +47,6 @@ class Scorer:
         self.names = list(dict.fromkeys(settings.verifiers))
         self.restarts = 0
         """Child processes started after the first (each after a timeout or a crash)."""
-        self._proc: subprocess.Popen = None  # type: ignore[assignment]
         self._start()
         self._await_ready()
 
@@ -58,19 +54,11 @@ class Scorer:
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._child.pid
 
     def _start(self) -> None:
         """Spawn the child and send it the settings; do not wait (see _await_ready)."""
-        down_r, down_w = os.pipe()
-        up_r, up_w = os.pipe()
-        cmd = [sys.executable, "-m", "reward.scorer", str(down_r), str(up_w), str(os.getpid())]
-        self._proc = subprocess.Popen(cmd, pass_fds=(down_r, up_w), start_new_session=True)
-        os.close(down_r)
-        os.close(up_w)
-        self._send_conn = Connection(down_w, readable=False)
-        self._recv_conn = Connection(up_r, writable=False)
-        self._send_conn.send(("init", (self.settings, self.search_path)))
+        self._child = ChildProcess("reward.scorer", (self.settings, self.search_path))
         self._ready = False
 
     def _await_ready(self) -> None:
@@ -78,27 +66,13 @@ class Scorer:
         the caller goes on, so the completion that timed out does not also pay for it."""
         if self._ready:
             return
-        if not self._recv_conn.poll(STARTUP_TIMEOUT_S):
-            self._kill()
-            raise RuntimeError(f"the verifier process did not start within {STARTUP_TIMEOUT_S:g} s")
-        try:
-            kind, detail = self._recv_conn.recv()
-        except EOFError:
-            kind, detail = "failed", f"exit status {self._proc.wait()}"
-        if kind != "ready":
-            self._kill()
-            raise RuntimeError(f"the verifier process failed to start: {detail}")
+        failure = self._child.await_ready(STARTUP_TIMEOUT_S)
+        if failure is not None:
+            raise RuntimeError(f"the verifier process {failure}")
         self._ready = True
 
     def _kill(self) -> None:
-        for conn in (getattr(self, "_send_conn", None), getattr(self, "_recv_conn", None)):
-            if conn is not None:
-                conn.close()
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._proc.wait()
+        self._child.kill()
 
     def _restart(self) -> None:
         self._kill()
@@ -124,19 +98,19 @@ class Scorer:
         while pos < len(calls):
             self._await_ready()
             try:
-                self._send_conn.send(("score", items, calls[pos:]))
+                self._child.send_conn.send(("score", items, calls[pos:]))
             except OSError:  # the child died between batches
                 self._restart()
                 continue
             while pos < len(calls):
                 i, name = calls[pos]
-                if not self._recv_conn.poll(self.settings.timeout_s):
+                if not self._child.recv_conn.poll(self.settings.timeout_s):
                     record(i, name, 0.0, "timeout")
                     pos += 1
                     self._restart()
                     break
                 try:
-                    got_i, got_name, score, status = self._recv_conn.recv()
+                    got_i, got_name, score, status = self._child.recv_conn.recv()
                 except (EOFError, OSError):
                     # The process died inside this call: killed from outside (the OOM killer),
                     # or the completion crashes the verifier (a segfault in C code). Try the call
@@ -174,16 +148,11 @@ def _score_one(call, item: Item) -> Tuple[float, str]:
     return score, "ok"
 
 
-def _child_main(down_fd: int, up_fd: int, parent_pid: int) -> None:
-    import ctypes
-
-    # Die with the verifier actor: a scorer must never outlive the one that owns it.
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+def _child_main(argv) -> None:
+    attached = attach(argv)  # dies with the verifier actor that owns it
+    if attached is None:
         return
-    recv_conn = Connection(down_fd, writable=False)
-    send_conn = Connection(up_fd, readable=False)
-    _, (settings, search_path) = recv_conn.recv()
+    recv_conn, send_conn, (settings, search_path) = attached
     try:
         from reward.registry import build_verifiers
 
@@ -204,4 +173,4 @@ def _child_main(down_fd: int, up_fd: int, parent_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    _child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    _child_main(sys.argv)

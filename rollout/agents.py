@@ -12,15 +12,15 @@ own episode. The processes die with the worker (a parent-death signal).
 """
 from __future__ import annotations
 
-import ctypes
 import inspect
 import multiprocessing
 import os
-import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from common.child import die_with_parent
 
 # What an agent's process keeps of the worker's environment: no credentials of the run.
 _SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "WANDB", "RAY_", "AWS_", "HF_")
@@ -43,16 +43,9 @@ class AgentResult:
     timed_out: bool = False
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -> None:
     """One agent process: load the function once, then run the tasks it is sent, one at a time."""
-    _die_with_parent()
+    die_with_parent()
     for name in list(os.environ):
         if any(marker in name.upper() for marker in _SECRET_MARKERS):
             os.environ.pop(name, None)

@@ -13,13 +13,11 @@ to `max_chars`, and how many characters were cut) or ``("raised", "TypeName: mes
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection
 from typing import Any, Callable, Mapping, Sequence, Tuple
+
+from common.child import ChildProcess, attach
 
 STARTUP_TIMEOUT_S = 60.0
 """Importing the custom tools' modules; far above the usual fraction of a second."""
@@ -39,25 +37,16 @@ class ToolProcess:
         self.restarts = 0
         self.closed = self._busy = False
         self._lock = threading.Lock()
-        self._proc = None
         self._start()
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._child.pid
 
     def _start(self) -> None:
-        down_r, down_w = os.pipe()
-        up_r, up_w = os.pipe()
-        cmd = [sys.executable, "-m", "rollout.tool_process", str(down_r), str(up_w), str(os.getpid())]
-        self._proc = subprocess.Popen(cmd, pass_fds=(down_r, up_w), start_new_session=True)
-        os.close(down_r)
-        os.close(up_w)
-        self._send = Connection(down_w, readable=False)
-        self._recv = Connection(up_r, writable=False)
         # the caller's import path: a module the caller can import (a test's tmp folder, the
         # user's working directory) imports in the child too
-        self._send.send(("init", (self.custom, self.search_path + list(sys.path))))
+        self._child = ChildProcess("rollout.tool_process", (self.custom, self.search_path + list(sys.path)))
         self._ready = False
 
     def ready(self) -> None:
@@ -66,16 +55,10 @@ class ToolProcess:
             return
         if self.closed:
             raise ToolProcessError("the tool box is closed")
-        if not self._recv.poll(STARTUP_TIMEOUT_S):
-            self.kill()
-            raise ToolProcessError(f"the custom tools' process did not start within {STARTUP_TIMEOUT_S:g} s")
-        try:
-            kind, detail = self._recv.recv()
-        except (EOFError, OSError):
-            kind, detail = "failed", f"exit status {self._proc.wait()}"
-        if kind != "ready":
+        failure = self._child.await_ready(STARTUP_TIMEOUT_S)
+        if failure is not None:
             self._restart()
-            raise ToolProcessError(f"the custom tools' process failed to start: {detail}")
+            raise ToolProcessError(f"the custom tools' process {failure}")
         self._ready = True
 
     def call(self, name: str, arguments: Any, timeout_s: float, max_chars: int,
@@ -99,12 +82,13 @@ class ToolProcess:
                     self.kill()
 
     def _exchange(self, name: str, arguments: Any, timeout_s: float, max_chars: int) -> Tuple[str, int]:
+        child = self._child
         try:
-            self._send.send(("call", name, arguments, max_chars))
-            answered = self._recv.poll(timeout_s)
-            reply = self._recv.recv() if answered else None
+            child.send_conn.send(("call", name, arguments, max_chars))
+            answered = child.recv_conn.poll(timeout_s)
+            reply = child.recv_conn.recv() if answered else None
         except (EOFError, OSError):
-            status = self._proc.poll()
+            status = child.proc.poll()
             self._restart()
             raise ToolProcessError(f"the tool's process died (exit status {status})") from None
         if reply is None:
@@ -121,14 +105,7 @@ class ToolProcess:
             self._start()
 
     def kill(self) -> None:
-        for conn in (getattr(self, "_send", None), getattr(self, "_recv", None)):
-            if conn is not None:
-                conn.close()
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._proc.wait()
+        self._child.kill()
 
     def close(self) -> None:
         """Kill the process. A call running in another thread sees it die and cleans up
@@ -137,10 +114,7 @@ class ToolProcess:
             self.closed = True
             busy = self._busy
         if busy:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._child.signal_group()
         else:
             self.kill()
 
@@ -157,16 +131,11 @@ def _run_one(fn, arguments: Any, max_chars: int) -> tuple:
     return ("ok", text[:max_chars], max(len(text) - max_chars, 0))
 
 
-def _child_main(down_fd: int, up_fd: int, parent_pid: int) -> None:
-    import ctypes
-
-    # Die with the generation actor: a tool process must never outlive the one that owns it.
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+def _child_main(argv) -> None:
+    attached = attach(argv)  # dies with the generation actor that owns it
+    if attached is None:
         return
-    recv = Connection(down_fd, writable=False)
-    send = Connection(up_fd, readable=False)
-    _, (custom, path) = recv.recv()
+    recv, send, (custom, path) = attached
     try:
         from common.plugins import load_function
 
@@ -184,4 +153,4 @@ def _child_main(down_fd: int, up_fd: int, parent_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    _child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    _child_main(sys.argv)
