@@ -12,6 +12,7 @@ COMMON = [
     "accelerate>=1.1.0",  # transformers' HfDeepSpeedConfig (ZeRO-3 built partitioned) requires it
     "peft==0.21.2",  # learner.lora: adapters trained and pushed on their own
     "openai>=1.0",  # the client rollout.agent plug-ins are handed (vLLM depends on it too)
+    "psutil",  # common/reaper.py: engine processes die with their actor
     "pyarrow",
     "matplotlib",
     "tqdm",

@@ -67,6 +67,24 @@ def check(cfg, nodes: List[dict], roles: Sequence[str] = ROLES) -> List[str]:
         have = sum(r.get(kind, 0.0) for r in alive)
         if demand > have + 1e-9:
             missing.append(f"{demand:g} {kind} in all (the cluster has {have:g})")
+    return missing + _too_big_for_any_node(cfg, alive, roles)
+
+
+def _too_big_for_any_node(cfg, alive: List[dict], roles: Sequence[str]) -> List[str]:
+    """An actor's bundle is never split between nodes: totals can suffice while no single node
+    holds one actor (a 4-GPU tensor-parallel engine on nodes of 2 GPUs)."""
+    missing = []
+    for role in roles:
+        d = role_demand(cfg, role)
+        where = [r for r in alive if d["label"] is None or r.get(d["label"], 0) > 0]
+        if not d["count"] or not where:
+            continue  # no such node at all: named above
+        for kind in ("CPU", "GPU"):
+            largest = max(r.get(kind, 0.0) for r in where)
+            if largest and d[kind] > largest + 1e-9:  # none of it at all: the totals say so
+                on = f"with '{d['label']}' " if d["label"] else ""
+                missing.append(f"{d[kind]:g} {kind} on one node for each {role} actor "
+                               f"(the largest node {on}has {largest:g})")
     return missing
 
 

@@ -265,6 +265,12 @@ class RolloutConfig(Section):
     engine with the same weights and are batched the same way (a chunk that another worker
     takes after a restart, or that vLLM batches or preempts differently, samples differently).
     `auto`: true on CPU engines (num_gpus_per_worker=0), where seeds cost nothing; false on GPUs."""
+    engine_core: str = one_of(("auto", "actor", "process"))
+    """Where vLLM's engine core runs. `actor`: inside the generation actor (no round trip per
+    call, one import of torch and vLLM). `process`: a child process of the actor, as vLLM runs it
+    by default (scheduling overlaps the GPU's work); a reaper kills it if the actor dies, so a
+    restarted actor never meets an orphan holding its GPU. `auto`: `actor` on CPU engines,
+    `process` on GPUs."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts (evaluation is greedy)."""
     top_p: float = 1.0

@@ -41,6 +41,9 @@ def start_local_ray(num_cpus: int | None, num_gpus: int | None = None, env_vars:
     (plain ray.init() would join that one)."""
     import ray
 
+    # The raylet kills a dead worker's whole process group, so what an actor started (vLLM's
+    # engine core and its ranks) never outlives it, however it died (docs/cluster.md).
+    os.environ.setdefault("RAY_process_group_cleanup_enabled", "1")
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
              runtime_env={"env_vars": env_vars} if env_vars else None, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR",

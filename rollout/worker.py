@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from common import heap
 from common.config import RolloutConfig
 from common.prompt_group import PromptGroup
+from common.reaper import start_reaper
 from rollout import texts
 from rollout.engine_log import StderrTail, root_cause
 
@@ -88,13 +89,14 @@ class GenerationWorker:
             # vLLM's CPU build binds each TP rank's threads to a NUMA node of its own and refuses
             # more ranks than nodes; a one-node machine splits its CPUs between the ranks instead.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp)
-        if current_platform.is_cpu():
-            # The engine core inside this actor instead of a process of its own: on CPUs that
-            # process re-imports torch and vLLM at start and every generate call pays a round
-            # trip to it (bench/end_to_end.py: start-up and steps both faster). A
-            # tensor-parallel engine's ranks stay processes of vLLM's `mp` executor. On GPUs
-            # vLLM's own process overlaps scheduling with the GPU's work: kept there.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+            # The engine core inside this actor on CPUs: its own process re-imports torch and
+            # vLLM at start and every generate call pays a round trip to it (bench/end_to_end.py:
+            # start-up and steps both faster). A tensor-parallel engine's ranks stay processes of
+            # vLLM's `mp` executor. On GPUs vLLM's own process overlaps scheduling with the GPU's
+            # work: kept there.
+            in_actor = engine_core_in_actor(rollout_cfg.engine_core, not current_platform.is_cpu())
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_actor else "1"
         if current_platform.is_cpu() and rollout_cfg.enforce_eager:
             no_compile()
         if tp == 1 and current_platform.is_cpu() and rollout_cfg.num_threads:
@@ -108,6 +110,9 @@ class GenerationWorker:
         except Exception as error:
             cause = root_cause(self._stderr.text()) or f"{type(error).__name__}: {error}"
             raise EngineStartError(f"the vLLM engine did not start: {cause.splitlines()[0][:500]}") from None
+        # Engine processes (the engine core, tensor-parallel ranks) die with this actor however
+        # it dies, before the agents' and tools' processes, which watch it themselves, start.
+        self._reaper = start_reaper()
         self.policy_version = 0
         # Training samples' texts are decoded here, once, when vLLM need not (rollout/texts.py).
         self._rust_tokenizer = texts.fast_tokenizer(self.llm.get_tokenizer())
@@ -349,6 +354,11 @@ class GenerationWorker:
     def weights_checksum(self) -> list:
         """Per tensor-parallel rank, the sum of each parameter (its shard) by name."""
         return self.llm.collective_rpc("weights_checksum")
+
+
+def engine_core_in_actor(setting: str, on_gpu: bool) -> bool:
+    """rollout.engine_core resolved: `auto` keeps the engine core in the actor on CPUs only."""
+    return not on_gpu if setting == "auto" else setting == "actor"
 
 
 def sampling_is_seeded(setting, on_gpu: bool) -> bool:

@@ -28,6 +28,18 @@ def test_check_names_the_missing_node_resource_and_the_short_role():
     assert check(gpus, _nodes({"CPU": 8})) == ["2 GPU in all (the cluster has 0)"]
 
 
+def test_check_names_an_actor_that_no_single_node_can_hold():
+    # 4 GPUs in all, but each engine needs 4 on one node: the placement group would wait forever.
+    cfg = load_config(["rollout.num_workers=1", "rollout.num_gpus_per_worker=4", "rollout.tensor_parallel_size=4",
+                       "learner.num_gpus_per_rank=0"])
+    two_by_two = _nodes({"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2})
+    assert check(cfg, two_by_two) == ["4 GPU on one node for each rollout actor (the largest node has 2)"]
+    assert check(cfg, _nodes({"CPU": 8, "GPU": 4})) == []
+    labelled = load_config(["cluster.nodes.rollout=gen", "rollout.num_workers=1", "rollout.num_cpus_per_worker=6"])
+    assert check(labelled, _nodes({"CPU": 16}, {"CPU": 4, "gen": 1}, {"CPU": 4, "gen": 1})) == [
+        "6 CPU on one node for each rollout actor (the largest node with 'gen' has 4)"]
+
+
 def test_bundles_pin_each_actor_to_its_label_and_resources():
     cfg = load_config(["cluster.nodes.learner=train", "learner.num_gpus_per_rank=1"])
     assert bundles(cfg, "learner") == [{"CPU": 0.25, "GPU": 1, "train": 0.001}] * 2

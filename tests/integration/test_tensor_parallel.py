@@ -7,10 +7,11 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import psutil
 import ray
 
 from cluster.sync_channel import WeightSyncChannel
-from helpers import GRPO, compiled_graphs, engine_state, run, small_overrides, warmed_learner
+from helpers import GRPO, compiled_graphs, engine_state, greedy_ids, run, small_overrides, warmed_learner
 from rollout.pool import RolloutPool
 from rollout.worker import GenerationWorker, cpu_thread_binding
 
@@ -49,6 +50,34 @@ def test_a_tp2_engine_syncs_exactly(learners, system_cfg, tmp_path):
     assert synced[0] == expected[0], "greedy outputs differ from a fresh TP-2 engine's"
     assert synced[1] == expected[1], "prompt log-probs differ from a fresh TP-2 engine's"
     assert synced[2] == expected[2], "a rank's parameters differ from a fresh TP-2 engine's"
+
+
+def test_an_engine_core_process_dies_with_its_actor_and_the_restarted_actor_syncs(learners, system_cfg):
+    # The layout GPUs use, on CPU: vLLM's engine core in a child process of the actor, which
+    # watches nothing of its parent; the actor's reaper (common/reaper.py) must take it down.
+    cfg = copy.deepcopy(system_cfg)
+    cfg.rollout.engine_core = "process"
+    pool = RolloutPool(cfg.model.path, replace(cfg.rollout, num_workers=1, num_cpus_per_worker=0.5), 0)
+    try:
+        with warmed_learner(learners, cfg, 2) as learner:
+            channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+            pool.recover = channel.recover
+            channel.push(1)
+            before = greedy_ids(pool.workers[0])
+            actor = psutil.Process(ray.get(pool.workers[0].pid.remote()))
+            engine = actor.children(recursive=True)
+            assert any("EngineCore" in " ".join(p.cmdline()) + p.name() for p in engine), \
+                [(p.name(), p.cmdline()) for p in engine]
+            ray.kill(pool.workers[0], no_restart=False)
+            _, alive = psutil.wait_procs([actor, *engine], timeout=60)
+            assert not alive, [(p.pid, p.name()) for p in alive]
+            pool._restarted(0)  # what a generate call does when its worker died
+            assert pool.versions() == [1]
+            assert greedy_ids(pool.workers[0]) == before, "the restarted engine lacks the pushed weights"
+            channel.push(2)
+            assert pool.versions() == [2]
+    finally:
+        pool.shutdown()
 
 
 def test_an_engine_that_cannot_start_names_its_root_cause(tmp_path, model_cache):
