@@ -72,7 +72,7 @@ class WeightSyncChannel:
         """After a generation actor was restarted (a fresh engine, out of the group, holding the
         initial weights): rebuild the group and push the current version to every worker, so
         that the restarted one holds it before it generates again."""
-        with self.lock:
+        with self.lock, self.rollout.between_calls():
             self._join()
             return self.push(self.version)
 
@@ -90,7 +90,7 @@ class WeightSyncChannel:
 
         A worker busy generating takes the weights after its current call (Ray runs an actor's
         calls one at a time): weights never change in the middle of a generation request."""
-        with self.lock:
+        with self.lock, self.rollout.between_calls():
             try:
                 return self._push(version)
             except WeightSyncError as error:

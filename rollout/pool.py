@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import threading
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
@@ -22,6 +24,7 @@ class RolloutPool:
         actor = ray.remote(num_cpus=rollout_cfg.num_cpus_per_worker, num_gpus=rollout_cfg.num_gpus_per_worker,
                            max_restarts=-1, max_task_retries=0)(GenerationWorker)
         self.cfg = rollout_cfg
+        self._submitting = threading.RLock()  # held by `between_calls` (a weight push)
         self.recover = None
         """Set by the driver to the weight-sync channel's `recover` (re-joins a restarted worker
         and pushes the current weights to it); None: a dead worker's error is raised."""
@@ -54,8 +57,9 @@ class RolloutPool:
         seeds = {p[0]: hash((seed, p[0])) % (2**31) for p in prompts}
 
         def submit(worker, chunk):
-            return as_list(worker.generate.options(num_returns=len(chunk) + 1).remote(
-                *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk], temperature=temperature))
+            with self._submitting:
+                return as_list(worker.generate.options(num_returns=len(chunk) + 1).remote(
+                    *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk], temperature=temperature))
 
         size = chunk_size(len(prompts), len(self.workers), self.cfg.chunks_per_worker)
         return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},
@@ -69,6 +73,18 @@ class RolloutPool:
         versions = self.versions()
         if len(set(versions)) != 1:
             raise RuntimeError(f"after re-joining a restarted worker the versions differ: {versions}")
+
+    @contextmanager
+    def between_calls(self):
+        """Every worker idle, and no new generation call submitted, until the block ends: what a
+        weight push needs before its process group starts waiting. In async mode a worker may be
+        in the middle of a chunk, and a receive queued behind it would spend the sync group's
+        timeout waiting for it (on NCCL the watchdog then takes the learner down). Calls the
+        block submits (the receives) queue before any later generation call."""
+        with self._submitting:
+            idle = [w.ready.remote() for w in self.workers]
+            ray.wait(idle, num_returns=len(idle))  # a dead worker's error is the push's to handle
+            yield
 
     def versions(self) -> List[int]:
         return ray.get([w.ready.remote() for w in self.workers])

@@ -1,10 +1,12 @@
 """Tensor parallelism on vLLM's CPU build: an engine of 2 TP ranks (processes inside its Ray actor,
 vLLM's `mp` executor) starts, both ranks join the weight-sync group, and after a push the engine
-holds exactly what a fresh TP-2 engine loaded from the saved weights holds. An engine that cannot
-start says why in one line."""
+holds exactly what a fresh TP-2 engine loaded from the saved weights holds. In the layout GPUs
+use (the engine core in a process of its own) a killed engine leaves no process behind. An engine
+that cannot start says why in one line."""
 from __future__ import annotations
 
 import copy
+import signal
 from dataclasses import replace
 
 import psutil
@@ -52,9 +54,10 @@ def test_a_tp2_engine_syncs_exactly(learners, system_cfg, tmp_path):
     assert synced[2] == expected[2], "a rank's parameters differ from a fresh TP-2 engine's"
 
 
-def test_an_engine_core_process_dies_with_its_actor_and_the_restarted_actor_syncs(learners, system_cfg):
-    # The layout GPUs use, on CPU: vLLM's engine core in a child process of the actor, which
-    # watches nothing of its parent; the actor's reaper (common/reaper.py) must take it down.
+def test_a_killed_engine_leaves_no_process_and_its_restart_syncs(learners, system_cfg):
+    """The layout GPUs use, on CPU: vLLM's engine core in a child process of the actor and its
+    worker below it (a grandchild, as tensor-parallel ranks are), neither of which watches the actor. SIGKILLed, the actor takes every engine
+    process with it (common/reaper.py); the restarted actor is re-synced and takes the next push."""
     cfg = copy.deepcopy(system_cfg)
     cfg.rollout.engine_core = "process"
     pool = RolloutPool(cfg.model.path, replace(cfg.rollout, num_workers=1, num_cpus_per_worker=0.5), 0)
@@ -66,9 +69,11 @@ def test_an_engine_core_process_dies_with_its_actor_and_the_restarted_actor_sync
             before = greedy_ids(pool.workers[0])
             actor = psutil.Process(ray.get(pool.workers[0].pid.remote()))
             engine = actor.children(recursive=True)
-            assert any("EngineCore" in " ".join(p.cmdline()) + p.name() for p in engine), \
-                [(p.name(), p.cmdline()) for p in engine]
-            ray.kill(pool.workers[0], no_restart=False)
+            names = [p.name() for p in engine]
+            assert "VLLM::EngineCore" in names and any(n.startswith("VLLM::Worker") for n in names), names
+            # SIGKILL, as the OOM killer or a crash ends it: `ray.kill` would go through the
+            # worker's own exit, which kills its direct children itself.
+            actor.send_signal(signal.SIGKILL)
             _, alive = psutil.wait_procs([actor, *engine], timeout=60)
             assert not alive, [(p.pid, p.name()) for p in alive]
             pool._restarted(0)  # what a generate call does when its worker died

@@ -108,6 +108,27 @@ def test_a_push_that_misses_a_parameter_fails_and_the_workers_keep_their_version
         assert pool.versions() == [4, 4]
 
 
+def test_a_push_waits_for_the_workers_generation_calls_outside_the_sync_timeout(untied_workers, learners):
+    """Async mode pushes while the workers generate the next batch: each receive runs only after
+    its worker's current call, so the push must start the group (and its timeout) only then.
+    Each worker here is busy for far longer than the group's 1 s timeout."""
+    cfg, pool = untied_workers
+    with warmed_learner(learners, cfg, 2) as learner:
+        # broadcast: the sender blocks on receivers that are not there yet (shm would buffer it)
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=1, timeout_s=1,
+                                    transport="broadcast")
+        channel.push(1)
+        prompts = [(i, f"{i}+{i}=", "", {}) for i in range(64)]
+        busy = [w.generate.options(num_returns=len(prompts) + 1).remote(
+            *prompts, n=16, greedy=False, seeds=list(range(len(prompts)))) for w in pool.workers]
+        ray.wait([refs[-1] for refs in busy], timeout=0.5)  # both calls under way
+        channel.push(2)
+        assert pool.versions() == [2, 2]
+        for refs in busy:  # made before the push, entirely with the weights of version 1
+            assert ray.get(refs[-1])["completion_tokens"] > 0
+            assert {g.policy_version for g in ray.get(refs[:-1])} == {1}
+
+
 def test_a_sync_to_a_dead_worker_ends_in_an_error_not_a_hang(untied_workers, learners):
     """Last in this module: it kills one of the untied pool's workers for good (no second pool:
     two test workers' engines already fill most of this machine's memory)."""
