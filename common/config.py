@@ -395,6 +395,40 @@ class RolloutConfig(Section):
                               f"in rollout.max_model_len={self.max_model_len}")
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be sized for (its `max_lora_rank`)."""
+
+
+@dataclass
+class LoraConfig(Section):
+    rank: int = 0
+    """LoRA rank r of every adapted projection; 0: no LoRA, the whole model trains. With r > 0
+    the supervised warm-up still trains the whole model, then GRPO trains only the adapters on
+    that base (only they have optimizer state) and the frozen reference is the base with the
+    adapters switched off: no second copy of the model."""
+    alpha: float = 16.0
+    """LoRA's scale numerator: the adapter's update B A is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target_modules: Optional[List[str]] = None
+    """Names (or name suffixes, peft's matching) of the linear layers that get adapters; None:
+    every linear projection of the transformer blocks (peft's `all-linear`, not the output head)."""
+    push: str = one_of(("adapter", "merged"))
+    """What the weight push sends each step: `adapter`, only the adapters (2 r (d_in + d_out)
+    numbers per projection), served by every vLLM engine as a new LoRA version; `merged`, the
+    full weights with the adapters merged in (for engines that cannot serve adapters)."""
+
+    def check(self, name: str = "learner.lora") -> None:
+        super().check(name)
+        at_least(f"{name}.rank", self.rank, 0)
+        if self.rank and self.alpha <= 0:
+            raise ConfigError(f"{name}.alpha must be positive (got {self.alpha})")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{name}.dropout must be in [0, 1) (got {self.dropout})")
+        if self.target_modules is not None and not self.target_modules:
+            raise ConfigError(f"{name}.target_modules is empty: name at least one module, or leave it unset")
+
+
 @dataclass
 class LearnerConfig(Section):
     num_ranks: int = 2
@@ -445,9 +479,12 @@ class LearnerConfig(Section):
     what runs out of memory at long completions; off on CPUs, where the built-in model's
     activations are small beside its weights and optimizer and the extra forward costs step
     time (the measured trade: the report of bench/memory_scale.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (peft) for GRPO, and what the weight push sends with them."""
 
     def check(self, name: str = "learner") -> None:
         super().check(name)
+        self.lora.check(f"{name}.lora")
         at_least("learner.num_ranks", self.num_ranks, 1)
         at_least("learner.minibatches", self.minibatches, 1)
         at_least("learner.num_threads", self.num_threads, 0)
