@@ -254,6 +254,10 @@ class RolloutConfig(Section):
     than bfloat16 on vLLM's CPU build for the tiny model), bfloat16 when the workers have GPUs."""
     enforce_eager: Optional[bool] = None
     """vLLM without CUDA graphs. None: eager on CPUs, CUDA graphs on GPUs."""
+    max_lora_rank: int = 0
+    """The largest LoRA adapter each engine serves (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64,
+    128, 256, 320 or 512); 0: set by the driver from `learner.lora.rank` (rounded up to one of
+    those) when the push sends adapters, else the engines serve none."""
     seeded_sampling: Union[str, bool] = one_of(("auto", True, False))
     """A seed of its own for each prompt's samples (from trainer.seed, the step and the prompt).
     `true`: a prompt's samples depend only on the weights and its seed, not on which engine
@@ -696,6 +700,30 @@ class Config:
         if groups_per_rank * algo.group_size < learner.minibatches:
             raise ConfigError(f"learner.minibatches={learner.minibatches} exceeds the "
                               f"{groups_per_rank * algo.group_size} completions each learner rank gets per step")
+        _check_lora(self)
         if self.warmup.steps and self.warmup.batch_size % learner.num_ranks:
             raise ConfigError(f"warmup.batch_size={self.warmup.batch_size} cannot be split over "
                               f"learner.num_ranks={learner.num_ranks}")
+
+
+def _check_lora(cfg: "Config") -> None:
+    """LoRA against the rest: what the engines can serve, and what the learner can train."""
+    lora, rollout = cfg.learner.lora, cfg.rollout
+    if rollout.max_lora_rank and rollout.max_lora_rank not in LORA_RANKS:
+        raise ConfigError(f"rollout.max_lora_rank={rollout.max_lora_rank}: vLLM serves adapters of rank "
+                          f"{', '.join(map(str, LORA_RANKS))} at most")
+    if not lora.rank:
+        return
+    if cfg.algo.adv_estimator == "gae":
+        raise ConfigError("learner.lora.rank > 0 with algo.adv_estimator=gae: the critic has no LoRA; "
+                          "use grpo or rloo, or learner.lora.rank=0")
+    if lora.push != "adapter":
+        return
+    if lora.rank > max(rollout.max_lora_rank or LORA_RANKS[-1], 0):
+        raise ConfigError(f"learner.lora.rank={lora.rank} exceeds what the engines serve "
+                          f"(rollout.max_lora_rank={rollout.max_lora_rank or LORA_RANKS[-1]}); "
+                          "use learner.lora.push=merged")
+    if rollout.tools or rollout.agent is not None:
+        raise ConfigError("learner.lora.push=adapter serves single-turn generation only; with rollout.tools "
+                          "or rollout.agent use learner.lora.push=merged")
+
