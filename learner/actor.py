@@ -341,23 +341,25 @@ class LearnerRank:
             params = [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
         return sum(p.numel() * p.element_size() for p in params)
 
-    def save_pretrained(self, folder: str, adapter_only: bool = False) -> Optional[str]:
+    def save_pretrained(self, folder: str, part: str = "merged") -> Optional[str]:
         """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's
-        gather). With LoRA: the model with its adapters merged in, and the adapter folder
-        (peft's save_pretrained) in `folder`/adapter; `adapter_only`: the adapter folder alone."""
+        gather). With LoRA, `part`: `merged`, the model with its adapters merged in and the
+        adapter folder (peft's save_pretrained) in `folder`/adapter; `adapter`, the adapter
+        folder alone; `base`, the base model alone."""
         module = self.engine.module
         state = engines.full_state(module, self.cfg.zero_stage, keep=self.rank == 0)  # one parameter at a time
         if self.rank != 0:
             return None
         if self.lora:
             base, _ = engines.split_state(state)
-            adapter_dir = folder if adapter_only else os.path.join(folder, "adapter")
-            module.save_pretrained(adapter_dir, state_dict=state)
-            self.tokenizer.save_pretrained(adapter_dir)
-            if adapter_only:
-                return folder
-            module, state = module.get_base_model(), engines.merged_state(base, engines.adapters_by_weight(
-                state, module.peft_config["default"]))
+            if part != "base":
+                adapter_dir = folder if part == "adapter" else os.path.join(folder, "adapter")
+                module.save_pretrained(adapter_dir, state_dict=state)
+                self.tokenizer.save_pretrained(adapter_dir)
+                if part == "adapter":
+                    return folder
+                base = engines.merged_state(base, engines.adapters_by_weight(state, module.peft_config["default"]))
+            module, state = module.get_base_model(), base
         module.save_pretrained(folder, state_dict=state)
         self.tokenizer.save_pretrained(folder)
         return folder

@@ -77,8 +77,8 @@ class LearnerGroup:
         """Every rank writes its part of the checkpoint (DeepSpeed saving is collective)."""
         self.call("save_checkpoint", folder)
 
-    def save_pretrained(self, folder: str) -> str:
-        return self.call("save_pretrained", folder)[0]
+    def save_pretrained(self, folder: str, part: str = "merged") -> str:
+        return self.call("save_pretrained", folder, part)[0]
 
     def shutdown(self) -> None:
         for r in self.ranks:

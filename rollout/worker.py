@@ -357,6 +357,14 @@ class GenerationWorker:
         self.policy_version = version
         return {"policy_version": version, **timings}
 
+    def serve_adapter(self, folder: str) -> None:
+        """Serve the peft adapter saved in `folder` from the next call on (a fresh engine given a
+        saved adapter, for the push's exactness test; `rollout.max_lora_rank` must hold it)."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_pushes += 1
+        self.lora_request = LoRARequest(f"saved-{self._lora_pushes}", self._lora_pushes, folder)
+
     def _adapter_dir(self, number: int) -> str:
         """Node-local tmpfs folder of adapter push `number`; the folders of older pushes go
         (the engine never asks for an adapter version again once a newer one is served)."""
