@@ -181,6 +181,7 @@ class LearnerRank:
         """One update on these prompt groups. Needs no Ray: the rank works in a plain process
         too (the GPU check runs it so)."""
         start = time.perf_counter()
+        self._reset_peak_memory()
         self._set_lr(lr)
         batch = flatten(groups, self.pad_id, self.device)
         shaping = shape_rewards(batch, self.algo, self.max_new_tokens)
@@ -195,13 +196,31 @@ class LearnerRank:
             "learner_peak_memory_mb": self._peak_memory_mb(),
         }
 
+    def _reset_peak_memory(self) -> None:
+        """The peak counter back to what is in use now, so that each step reports its own peak:
+        CUDA's allocator peak on GPU; on CPU the kernel's VmHWM (`ru_maxrss` cannot be reset),
+        reset by writing 5 to /proc/self/clear_refs (Linux 4.0 on; elsewhere the peak since start)."""
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
     def _peak_memory_mb(self) -> float:
-        """Peak memory of this rank: CUDA's allocator peak on GPU, the process's peak RSS on CPU."""
+        """This rank's peak memory since `_reset_peak_memory`: CUDA's allocator peak on GPU, the
+        process's peak RSS (VmHWM) on CPU."""
         if self.on_gpu:
             return torch.cuda.max_memory_allocated() / 2**20
-        import resource
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024  # kB
+        except (OSError, StopIteration):
+            import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
     # ---- weight sync (sender side) and export ---------------------------------------------
     def _sync_tensors(self, part: str = "policy") -> Dict[str, "torch.Tensor"]:
