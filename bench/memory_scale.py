@@ -16,6 +16,9 @@ shape. Each rank reports, as JSON lines on stdout:
     python bench/memory_scale.py --hidden 768 --layers 8 --heads 12 --inter 3072 --zero 3
 
 `step_rise_mb` and `step_s` are the last step's; the first allocates the optimizer's state.
+`--lora 16` trains rank-16 adapters on every linear projection (the `zero3+lora` layout with
+`--zero 3`); `tensor_mb` (parameters, the trained ones' gradients, optimizer state) and
+`push_mb` against `full_push_mb` say what LoRA saves.
 """
 from __future__ import annotations
 
@@ -56,12 +59,13 @@ def _groups(args, rank: int):
 def _rank(rank: int, port: int, path: str, args, out) -> None:
     import torch  # noqa: F401  (the imports are part of the baseline, not of the model)
 
-    from common.config import AlgoConfig, LearnerConfig
+    from common.config import AlgoConfig, LearnerConfig, LoraConfig
     from learner.actor import LearnerRank
 
     baseline = _status_mb("VmRSS")
     cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=args.zero, minibatches=1, num_threads=args.threads,
-                        max_tokens_per_microbatch=args.budget, gradient_checkpointing=args.checkpointing)
+                        max_tokens_per_microbatch=args.budget, gradient_checkpointing=args.checkpointing,
+                        lora=LoraConfig(rank=args.lora))
     phases = {}  # phase -> [peak, resident after] in MB (the peak reset before each phase)
     learner = LearnerRank(rank, args.ranks, "127.0.0.1", port, path, cfg, AlgoConfig(group_size=args.group),
                           args.completion, 0)
@@ -79,7 +83,27 @@ def _rank(rank: int, port: int, path: str, args, out) -> None:
     out.put({"rank": rank, "learner_peak_memory_mb": metrics["learner_peak_memory_mb"], "baseline_mb": baseline,
              "step_rise_mb": phases[f"step{args.steps}"][0] - before, "step_s": seconds,
              "micro_batches": metrics["micro_batches"], "loss": metrics["loss"],
-             "phases_mb": {k: [round(v) for v in pair] for k, pair in phases.items()}})
+             "phases_mb": {k: [round(v) for v in pair] for k, pair in phases.items()}, **_tensors(learner)})
+
+
+def _tensors(learner) -> dict:
+    """What this rank's tensors hold (parameters, gradients and optimizer state, its partitions
+    under ZeRO-3) and what a push sends (`push_mb`; `full_push_mb`: every weight)."""
+    import torch
+
+    from common.weight_sync import WeightSpec
+
+    params = list(learner.engine.module.parameters())
+    held = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in params)
+    trained = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * 4 for p in params if p.requires_grad)
+    optimizer = learner.optimizer
+    state = getattr(optimizer, "optimizer", optimizer).state
+    moments = sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+    spec = WeightSpec.from_wire(learner.weight_spec("float32", 64))
+    base = learner.weight_spec("float32", 64, "base")
+    full = WeightSpec.from_wire(base).total_bytes if base else spec.total_bytes
+    return {"tensor_mb": (held + trained + moments) / 2**20, "params_mb": held / 2**20,
+            "optimizer_state_mb": moments / 2**20, "push_mb": spec.total_bytes / 2**20, "full_push_mb": full / 2**20}
 
 
 def main() -> None:
@@ -89,6 +113,7 @@ def main() -> None:
                           ("steps", 2), ("threads", 1)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
+    parser.add_argument("--lora", type=int, default=0, help="learner.lora.rank (0: full fine-tuning)")
     parser.add_argument("--cache", default="~/.cache/grpo/models")
     args = parser.parse_args()
 

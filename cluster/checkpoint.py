@@ -5,7 +5,8 @@ Layout of one checkpoint, `<run>/checkpoints/step-000040/`:
 | path | written by | what |
 | --- | --- | --- |
 | `learner/` | every learner rank | DeepSpeed `save_checkpoint` (model, optimizer shards, RNG per rank) |
-| `reference.pt` | learner rank 0 | the frozen reference policy (when beta > 0) |
+| `reference.pt` | learner rank 0 | the frozen reference policy (when beta > 0; not with LoRA) |
+| `base.pt`, `adapter/` | learner rank 0 | with LoRA: the frozen base (also the reference) and the adapter folder; `learner/` then holds only the adapters and their optimizer |
 | `model/` | learner rank 0 | the model's config and tokenizer (what `grpo export` needs besides weights) |
 | `trainer_state.json` | the driver | step, policy version, prompt sampler position, driver RNGs |
 | `manifest.json` | the driver, last | every other file's path and size |
@@ -214,13 +215,17 @@ def load_trainer_state(checkpoint: Path) -> Dict[str, Any]:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
 
 
-def export_checkpoint(checkpoint: str, folder: str) -> str:
-    """Write checkpoint's policy as a Hugging Face folder (fp32 master weights, config, tokenizer)."""
+def export_checkpoint(checkpoint: str, folder: str, merged: bool = False) -> str:
+    """Write checkpoint's policy as a Hugging Face folder (fp32 master weights, config, tokenizer).
+    A LoRA checkpoint gives its adapter folder, or with `merged` the model with the adapters
+    merged into its base."""
     ckpt = Path(checkpoint)
     # Checked before torch and transformers are imported: a wrong path answers in well under a
     # second, not after five seconds of imports.
     if not (ckpt / STATE_FILE).is_file() or not (ckpt / "learner").is_dir():
         raise ValueError(f"'{checkpoint}' is not a complete checkpoint (no {STATE_FILE} or learner/)")
+    if (ckpt / "adapter").is_dir():
+        return _export_lora(ckpt, folder, merged)
     import torch
 
     if not torch.cuda.is_available():
@@ -237,6 +242,24 @@ def export_checkpoint(checkpoint: str, folder: str) -> str:
                          f"unexpected {sorted(unexpected)}")
     model.tie_weights()
     model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(folder)
+    return folder
+
+
+def _export_lora(ckpt: Path, folder: str, merged: bool) -> str:
+    """A LoRA checkpoint's adapter folder as it is, or the merged model (peft's merge_and_unload
+    on the saved base)."""
+    if not merged:
+        shutil.copytree(ckpt / "adapter", folder, dirs_exist_ok=True)
+        return folder
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt / "model"), dtype=torch.float32)
+    model.load_state_dict(torch.load(ckpt / "base.pt", map_location="cpu"), strict=False)
+    model.tie_weights()
+    PeftModel.from_pretrained(model, str(ckpt / "adapter")).merge_and_unload().save_pretrained(folder)
     AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(folder)
     return folder
 

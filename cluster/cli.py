@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder")
     export.add_argument("checkpoint", help="a runs/<name>/checkpoints/step-N folder")
     export.add_argument("folder", help="where to write config.json, model.safetensors and the tokenizer")
+    export.add_argument("--merged", action="store_true",
+                        help="a LoRA checkpoint: the model with its adapters merged in (default: the adapter folder)")
     return parser
 
 
@@ -80,7 +82,7 @@ def _export(args) -> int:
     if os.path.exists(args.folder) and os.listdir(args.folder):
         return fail(f"'{args.folder}' exists and is not empty; pick a new folder")
     try:
-        print(export_checkpoint(args.checkpoint, args.folder))
+        print(export_checkpoint(args.checkpoint, args.folder, args.merged))
     except ValueError as exc:
         return fail(str(exc))
     return 0

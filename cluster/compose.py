@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import Config, ConfigError
+from common.config import LORA_RANKS, Config, ConfigError
 
 __all__ = ["ConfigError", "compose_config", "load_config", "check_gpu_layout", "schema_keys"]
 
@@ -147,6 +147,9 @@ def resolve_auto(cfg: Config) -> None:
         cfg.rollout.dtype = "bfloat16" if on_gpu else "float32"
     if cfg.rollout.enforce_eager is None:
         cfg.rollout.enforce_eager = not on_gpu
+    lora = cfg.learner.lora
+    if cfg.rollout.max_lora_rank == 0 and lora.rank and lora.push == "adapter":
+        cfg.rollout.max_lora_rank = next(r for r in LORA_RANKS if r >= lora.rank)
 
 
 def check_gpu_layout(cfg: Config, cluster_gpus: float, learner_gpus: Optional[float] = None) -> None:

@@ -41,6 +41,7 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
         probe_note = f", probe accuracy {accuracy:.1%}" if accuracy is not None else ""
         say(f"warm-up: {done} supervised steps, loss {losses[-1]:.3f}{probe_note}")
     roles.learner.call("snapshot_reference")  # pi_ref is the model GRPO starts from
+    roles.channel.refresh_spec()  # with LoRA the pushes send adapters from here on
     return version
 
 
@@ -132,6 +133,7 @@ def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
 
     state = load_trainer_state(checkpoint)
     roles.learner.call("load_checkpoint", str(checkpoint))
+    roles.channel.refresh_spec()  # a LoRA checkpoint's policy pushes its base, then adapters
     sampler.load_state_dict(state["sampler"])
     restore_driver_rng(state["rng"])
     roles.channel.push(state["policy_version"])

@@ -36,11 +36,13 @@ def resolve_model(cfg: Config) -> str:
             raise ConfigError(f"model.path: no such folder '{path}'")
         if looks_local:
             check_model_length(cfg, local)
+            check_lora_targets(cfg, local)
         return local if looks_local else path
     from learner.tiny_model import build_tiny_model
 
     folder = build_tiny_model(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
     check_model_length(cfg, folder)
+    check_lora_targets(cfg, folder)
     return folder
 
 
@@ -189,6 +191,39 @@ def check_model_length(cfg: Config, folder: str) -> None:
     if limit and cfg.rollout.max_model_len > limit:
         raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
                           f"max_position_embeddings={limit}")
+
+
+def lora_targets(cfg: Config, folder: str) -> Dict[str, tuple]:
+    """(d_in, d_out) of each linear layer that `learner.lora.target_modules` names (by peft's
+    matching: a full name or its last parts), from the model's config alone (built on the meta
+    device: no weights are read). None of target_modules: every linear projection but the head."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    linear = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = cfg.learner.lora.target_modules
+    if not targets:
+        head = model.get_output_embeddings()
+        return {n: dims for n, dims in linear.items() if model.get_submodule(n) is not head}
+    return {n: dims for n, dims in linear.items() if any(n == t or n.endswith("." + t) for t in targets)}
+
+
+def check_lora_targets(cfg: Config, folder: str) -> None:
+    """LoRA's targets exist in the model and each is wider than the rank (B A of rank r needs
+    r <= min(d_in, d_out) to be a rank-r update)."""
+    rank = cfg.learner.lora.rank
+    if not rank:
+        return
+    found = lora_targets(cfg, folder)
+    if not found:
+        raise ConfigError(f"learner.lora.target_modules={list(cfg.learner.lora.target_modules or [])} names no "
+                          f"linear layer of the model in '{folder}' (e.g. q_proj, v_proj, down_proj)")
+    name, dims = min(found.items(), key=lambda item: min(item[1]))
+    if rank > min(dims):
+        raise ConfigError(f"learner.lora.rank={rank} exceeds the layer {name} ({dims[0]} -> {dims[1]}): "
+                          f"use a rank of at most {min(dims)}")
 
 
 def make_run_dir(cfg: Config) -> Path:

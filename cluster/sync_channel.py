@@ -31,10 +31,26 @@ class WeightSyncChannel:
         # Held from the learner's update until its push: a worker re-joining in between gets
         # the weights of the version it is told (see `recover`).
         self.lock = threading.RLock()
-        # Every rank joins: under ZeRO-3 reading the full shapes is a collective gather.
-        self.spec = learner.call("weight_spec", dtype, bucket_mb)[0]
+        self.dtype, self.bucket_mb = dtype, bucket_mb
+        self.base_spec, self._base_due = None, False
+        self.refresh_spec(join=False)
         self.version = 0
         self._join()
+
+    def refresh_spec(self, join: bool = True) -> None:
+        """Ask the learner what a push sends (again after it changed: LoRA's adapters from the
+        reference's snapshot or a resume on). When the push sends adapters, the engines get the
+        base once first (`base_spec`, on the next push), as after a worker's restart."""
+        # Every rank joins: under ZeRO-3 reading the full shapes is a collective gather.
+        spec = self.learner.call("weight_spec", self.dtype, self.bucket_mb)[0]
+        self.base_spec = self.learner.call("weight_spec", self.dtype, self.bucket_mb, "base")[0]
+        unchanged = self.base_spec is None and getattr(self, "spec", None) is not None and all(
+            spec[k] == self.spec[k] for k in ("tensors", "dtype", "bucket_bytes"))
+        if unchanged:
+            return
+        self.spec, self._base_due = spec, self.base_spec is not None
+        if join:
+            self._join()
 
     def _join(self) -> None:
         """(Re)build the sync group: learner rank 0 is the root; each worker's tensor-parallel
@@ -49,8 +65,12 @@ class WeightSyncChannel:
         self._wait(joins, "joining the weight-sync group")
         # A new group gets a new shared file (a restarted worker maps it afresh); its name is
         # unlinked after the first push, once every receiver has mapped it.
-        self.spec["shm_path"] = self._shm_path(host)
-        self._unlink_after_push = self.spec["shm_path"]
+        path = self._shm_path(host)
+        if self.base_spec is not None:  # the adapters are small: only the base goes through the file
+            self.base_spec["shm_path"], path = path, None
+            self._base_due = True  # a restarted engine holds the initial weights, not the base
+        self.spec["shm_path"] = path
+        self._unlink_after_push = path or (self.base_spec or {}).get("shm_path")
 
     def _shm_path(self, learner_ip: str):
         """The shared-memory file of sync.transport=shm/auto, or None to broadcast the bytes."""
@@ -59,7 +79,7 @@ class WeightSyncChannel:
         same_node = all(ip == learner_ip for ip in ray.get([w.node_ip.remote() for w in self.rollout.workers]))
         # Room for the model twice over: what else uses /dev/shm (Ray's object store) may grow.
         room = ray.get(self.learner.rank0.shm_free_bytes.remote()) >= 2 * weight_sync.WeightSpec.from_wire(
-            self.spec).total_bytes
+            self.base_spec or self.spec).total_bytes
         if not (self.backend == "gloo" and same_node and room):
             if self.transport == "shm":
                 raise WeightSyncError("sync.transport=shm needs a CPU learner (gloo), every generation worker on "
@@ -138,8 +158,14 @@ class WeightSyncChannel:
         return None
 
     def _push(self, version: int) -> Dict[str, float]:
-        sends = [r.broadcast_weights.remote(self.spec) for r in self.learner.ranks]
-        receives = [w.receive_weights.remote(self.spec, version) for w in self.rollout.workers]
+        if self._base_due:  # LoRA's base before its adapters: a version's two halves
+            self._push_spec(self.base_spec, version)
+            self._base_due = False
+        return self._push_spec(self.spec, version)
+
+    def _push_spec(self, spec: dict, version: int) -> Dict[str, float]:
+        sends = [r.broadcast_weights.remote(spec) for r in self.learner.ranks]
+        receives = [w.receive_weights.remote(spec, version) for w in self.rollout.workers]
         try:
             results = self._wait(sends + receives, f"weight sync to version {version}")
         except ray.exceptions.RayTaskError as error:

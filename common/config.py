@@ -254,6 +254,10 @@ class RolloutConfig(Section):
     than bfloat16 on vLLM's CPU build for the tiny model), bfloat16 when the workers have GPUs."""
     enforce_eager: Optional[bool] = None
     """vLLM without CUDA graphs. None: eager on CPUs, CUDA graphs on GPUs."""
+    max_lora_rank: int = 0
+    """The largest LoRA adapter each engine serves (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64,
+    128, 256, 320 or 512); 0: set by the driver from `learner.lora.rank` (rounded up to one of
+    those) when the push sends adapters, else the engines serve none."""
     seeded_sampling: Union[str, bool] = one_of(("auto", True, False))
     """A seed of its own for each prompt's samples (from trainer.seed, the step and the prompt).
     `true`: a prompt's samples depend only on the weights and its seed, not on which engine
@@ -401,6 +405,40 @@ class RolloutConfig(Section):
                               f"in rollout.max_model_len={self.max_model_len}")
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be sized for (its `max_lora_rank`)."""
+
+
+@dataclass
+class LoraConfig(Section):
+    rank: int = 0
+    """LoRA rank r of every adapted projection; 0: no LoRA, the whole model trains. With r > 0
+    the supervised warm-up still trains the whole model, then GRPO trains only the adapters on
+    that base (only they have optimizer state) and the frozen reference is the base with the
+    adapters switched off: no second copy of the model."""
+    alpha: float = 16.0
+    """LoRA's scale numerator: the adapter's update B A is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target_modules: Optional[List[str]] = None
+    """Names (or name suffixes, peft's matching) of the linear layers that get adapters; None:
+    every linear projection of the transformer blocks (peft's `all-linear`, not the output head)."""
+    push: str = one_of(("adapter", "merged"))
+    """What the weight push sends each step: `adapter`, only the adapters (2 r (d_in + d_out)
+    numbers per projection), served by every vLLM engine as a new LoRA version; `merged`, the
+    full weights with the adapters merged in (for engines that cannot serve adapters)."""
+
+    def check(self, name: str = "learner.lora") -> None:
+        super().check(name)
+        at_least(f"{name}.rank", self.rank, 0)
+        if self.rank and self.alpha <= 0:
+            raise ConfigError(f"{name}.alpha must be positive (got {self.alpha})")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{name}.dropout must be in [0, 1) (got {self.dropout})")
+        if self.target_modules is not None and not self.target_modules:
+            raise ConfigError(f"{name}.target_modules is empty: name at least one module, or leave it unset")
+
+
 @dataclass
 class LearnerConfig(Section):
     num_ranks: int = 2
@@ -451,9 +489,12 @@ class LearnerConfig(Section):
     what runs out of memory at long completions; off on CPUs, where the built-in model's
     activations are small beside its weights and optimizer and the extra forward costs step
     time (the measured trade: the report of bench/memory_scale.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (peft) for GRPO, and what the weight push sends with them."""
 
     def check(self, name: str = "learner") -> None:
         super().check(name)
+        self.lora.check(f"{name}.lora")
         at_least("learner.num_ranks", self.num_ranks, 1)
         at_least("learner.minibatches", self.minibatches, 1)
         at_least("learner.num_threads", self.num_threads, 0)
@@ -665,6 +706,30 @@ class Config:
         if groups_per_rank * algo.group_size < learner.minibatches:
             raise ConfigError(f"learner.minibatches={learner.minibatches} exceeds the "
                               f"{groups_per_rank * algo.group_size} completions each learner rank gets per step")
+        _check_lora(self)
         if self.warmup.steps and self.warmup.batch_size % learner.num_ranks:
             raise ConfigError(f"warmup.batch_size={self.warmup.batch_size} cannot be split over "
                               f"learner.num_ranks={learner.num_ranks}")
+
+
+def _check_lora(cfg: "Config") -> None:
+    """LoRA against the rest: what the engines can serve, and what the learner can train."""
+    lora, rollout = cfg.learner.lora, cfg.rollout
+    if rollout.max_lora_rank and rollout.max_lora_rank not in LORA_RANKS:
+        raise ConfigError(f"rollout.max_lora_rank={rollout.max_lora_rank}: vLLM serves adapters of rank "
+                          f"{', '.join(map(str, LORA_RANKS))} at most")
+    if not lora.rank:
+        return
+    if cfg.algo.adv_estimator == "gae":
+        raise ConfigError("learner.lora.rank > 0 with algo.adv_estimator=gae: the critic has no LoRA; "
+                          "use grpo or rloo, or learner.lora.rank=0")
+    if lora.push != "adapter":
+        return
+    if lora.rank > max(rollout.max_lora_rank or LORA_RANKS[-1], 0):
+        raise ConfigError(f"learner.lora.rank={lora.rank} exceeds what the engines serve "
+                          f"(rollout.max_lora_rank={rollout.max_lora_rank or LORA_RANKS[-1]}); "
+                          "use learner.lora.push=merged")
+    if rollout.tools or rollout.agent is not None:
+        raise ConfigError("learner.lora.push=adapter serves single-turn generation only; with rollout.tools "
+                          "or rollout.agent use learner.lora.push=merged")
+

@@ -51,6 +51,7 @@ class LearnerRank:
         self.micro = MicroBatcher(cfg.max_tokens_per_microbatch, self.device)
         self.update = make_update(algo, cfg.minibatches, max_new_tokens, self.micro, world_size, self.critic)
         self.ref_model = None
+        self.lora = False  # GRPO trains LoRA adapters (learner.lora.rank > 0), from the reference's snapshot on
         self.sync_group = None
         self._send_buffers: Optional[List[torch.Tensor]] = None  # see _staging
 
@@ -128,10 +129,45 @@ class LearnerRank:
     # ---- the frozen reference ----------------------------------------------------------------
     def snapshot_reference(self) -> None:
         """Freeze a copy of the current policy as pi_ref (GRPO starts from the warmed-up model)."""
+        if self.cfg.lora.rank:
+            self._start_lora()
+            return
         if self.algo.beta <= 0:
             return  # beta = 0 needs no reference model at all
         self.ref_model = engines.reference_from_policy(self.engine.module, self.ds_config, self.dtype, self.device,
                                                        self.on_gpu)
+
+    def _start_lora(self, base_state: Optional[dict] = None) -> None:
+        """From here on GRPO trains LoRA adapters on the current policy (or on `base_state`, a
+        checkpoint's base): a fresh base model gets its weights (under ZeRO-3 partition by
+        partition), the old engine and its optimizer go, and the new engine's optimizer holds
+        only the adapters. pi_ref is the same engine with its adapters off."""
+        old = self.engine.module
+        base = engines.fresh_base(old.config, self.dtype, engines.checkpointing(self.cfg, self.on_gpu))
+        zero3 = self.cfg.zero_stage == 3
+        if base_state is None and zero3:
+            engines.copy_partitions(old, base)
+        elif base_state is None:
+            base.load_state_dict(old.state_dict())
+        elif zero3:
+            engines.load_partitions(base, base_state)
+        else:
+            base.load_state_dict(base_state, strict=False)
+            base.tie_weights()
+        if hasattr(self.engine, "destroy"):
+            self.engine.destroy()
+        self.engine = self.optimizer = old = None
+        self.engine, self.optimizer = engines.lora_engine(base, self.cfg, self.ds_config)
+        self.lora = True
+        self.ref_model = engines.AdaptersOff(self.engine) if self.algo.beta > 0 else None
+
+    def trained_numel(self) -> Dict[str, int]:
+        """Elements with optimizer state on this rank, and every parameter's (tests)."""
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"optimizer_params": sum(p.numel() for p in params), "state": sum(t.numel() for t in state),
+                "trainable": sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad),
+                "all": sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())}
 
     # ---- GRPO ----------------------------------------------------------------------------
     def train_step(self, group_refs: list, temperature: float, lr: float) -> Dict[str, float]:
@@ -145,6 +181,7 @@ class LearnerRank:
         """One update on these prompt groups. Needs no Ray: the rank works in a plain process
         too (the GPU check runs it so)."""
         start = time.perf_counter()
+        self._reset_peak_memory()
         self._set_lr(lr)
         batch = flatten(groups, self.pad_id, self.device)
         shaping = shape_rewards(batch, self.algo, self.max_new_tokens)
@@ -159,28 +196,63 @@ class LearnerRank:
             "learner_peak_memory_mb": self._peak_memory_mb(),
         }
 
+    def _reset_peak_memory(self) -> None:
+        """The peak counter back to what is in use now, so that each step reports its own peak:
+        CUDA's allocator peak on GPU; on CPU the kernel's VmHWM (`ru_maxrss` cannot be reset),
+        reset by writing 5 to /proc/self/clear_refs (Linux 4.0 on; elsewhere the peak since start)."""
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
     def _peak_memory_mb(self) -> float:
-        """Peak memory of this rank: CUDA's allocator peak on GPU, the process's peak RSS on CPU."""
+        """This rank's peak memory since `_reset_peak_memory`: CUDA's allocator peak on GPU, the
+        process's peak RSS (VmHWM) on CPU."""
         if self.on_gpu:
             return torch.cuda.max_memory_allocated() / 2**20
-        import resource
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024  # kB
+        except (OSError, StopIteration):
+            import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
     # ---- weight sync (sender side) and export ---------------------------------------------
-    def _sync_tensors(self) -> Dict[str, "torch.Tensor"]:
-        """What vLLM loads, by checkpoint name: every state_dict entry. A tied output head is
-        sent too, as the embedding it shares: vLLM's layerwise reload expects its own copy and
-        otherwise keeps the old one (measured: greedy outputs then differ)."""
+    def _sync_tensors(self, part: str = "policy") -> Dict[str, "torch.Tensor"]:
+        """What vLLM loads, by checkpoint name. `policy`: every state_dict entry of the model, or
+        with LoRA's adapter push only the adapters (by peft's saved names); `base`: a LoRA
+        policy's base by the plain model's names. A tied output head is sent too, as the
+        embedding it shares: vLLM's layerwise reload expects its own copy and otherwise keeps
+        the old one (measured: greedy outputs then differ)."""
         module = self.engine.module
         tensors = dict(module.named_parameters(remove_duplicate=False))
         tensors.update(module.named_buffers(remove_duplicate=False))
         # state_dict's keys only: under ZeRO-3 its values are empty placeholders.
-        return {name: tensors[name] for name in module.state_dict().keys()}
+        names = list(module.state_dict().keys())
+        if not self.lora:
+            return {name: tensors[name] for name in names}
+        if part == "policy" and self.cfg.lora.push == "adapter":
+            return {engines.adapter_name(n): tensors[n] for n in names if engines.LORA_MARK in n}
+        return {engines.base_name(n): tensors[n] for n in names if engines.LORA_MARK not in n}
 
-    def weight_spec(self, dtype: str, bucket_mb: float) -> dict:
+    def weight_spec(self, dtype: str, bucket_mb: float, part: str = "policy") -> Optional[dict]:
+        """The push's spec; `base`: None unless the push sends adapters (the engines then need
+        the base once, before the first adapters and after an engine's restart). An adapter
+        spec carries the adapter's peft config (`adapter_config`), which the engines serve it by."""
+        adapters = self.lora and self.cfg.lora.push == "adapter"
+        if part == "base" and not adapters:
+            return None
         # ZeRO-3 placeholders carry their full shape (ds_shape): no gather needed to describe them.
-        return weight_sync.make_spec(list(self._sync_tensors().items()), dtype, bucket_mb).to_wire()
+        wire = weight_sync.make_spec(list(self._sync_tensors(part).items()), dtype, bucket_mb).to_wire()
+        wire["part"] = part
+        if part == "policy" and adapters:
+            wire["adapter_config"] = engines.adapter_config_dict(self.engine.module)
+        return wire
 
     def sync_address(self) -> tuple:
         """Where the sync group's rendezvous (hosted by this rank) will listen, and its backend:
@@ -204,7 +276,11 @@ class LearnerRank:
         whole model twice. `sync_gathered_max_mb` reports the most that was gathered at once.
         """
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
-        named = self._sync_tensors()
+        part = wire_spec.get("part", "policy")
+        named = self._sync_tensors(part)
+        # The merged push: each adapted weight is sent as W + scale B A, computed per bucket.
+        pairs = (engines.lora_pairs(self.engine.module)
+                 if self.lora and part == "policy" and self.cfg.lora.push == "merged" else {})
         start = time.perf_counter()
         gathered_max, pack_s = 0, 0.0
         # Shared memory: the buckets are written into the file and only their numbers travel.
@@ -212,10 +288,13 @@ class LearnerRank:
         in_flight = None  # (tensor, work) of the broadcast on the wire while the next is packed
         for i, bucket in enumerate(spec.buckets()):
             tensors = [named[t.name] for t in bucket]
-            with engines.gathered(tensors, self.cfg.zero_stage):
+            extra = [p for t in bucket if t.name in pairs for p in pairs[t.name][:2]]
+            with engines.gathered(tensors + extra, self.cfg.zero_stage):
                 gathered_max = max(gathered_max, self._gathered_bytes())
                 if self.rank == 0:
                     packed = time.perf_counter()
+                    tensors = [engines.merged(w, pairs[t.name]) if t.name in pairs else w
+                               for t, w in zip(bucket, tensors)]
                     flat = views[i] if views is not None else self._staging(spec, bucket, i % 2)
                     weight_sync.pack_into(tensors, flat)
                     pack_s += time.perf_counter() - packed
@@ -281,12 +360,25 @@ class LearnerRank:
             params = [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
         return sum(p.numel() * p.element_size() for p in params)
 
-    def save_pretrained(self, folder: str) -> Optional[str]:
-        """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's gather)."""
+    def save_pretrained(self, folder: str, part: str = "merged") -> Optional[str]:
+        """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's
+        gather). With LoRA, `part`: `merged`, the model with its adapters merged in and the
+        adapter folder (peft's save_pretrained) in `folder`/adapter; `adapter`, the adapter
+        folder alone; `base`, the base model alone."""
         module = self.engine.module
         state = engines.full_state(module, self.cfg.zero_stage, keep=self.rank == 0)  # one parameter at a time
         if self.rank != 0:
             return None
+        if self.lora:
+            base, _ = engines.split_state(state)
+            if part != "base":
+                adapter_dir = folder if part == "adapter" else os.path.join(folder, "adapter")
+                module.save_pretrained(adapter_dir, state_dict=state)
+                self.tokenizer.save_pretrained(adapter_dir)
+                if part == "adapter":
+                    return folder
+                base = engines.merged_state(base, engines.adapters_by_weight(state, module.peft_config["default"]))
+            module, state = module.get_base_model(), base
         module.save_pretrained(folder, state_dict=state)
         self.tokenizer.save_pretrained(folder)
         return folder
@@ -296,29 +388,44 @@ class LearnerRank:
         """Every rank writes its DeepSpeed shard and its RNG; rank 0 also the frozen reference
         and the model's config and tokenizer (see cluster/checkpoint.py for the layout)."""
         learner_dir = os.path.join(folder, "learner")
-        self.engine.save_checkpoint(learner_dir, tag="ds")
+        # With LoRA the frozen base is not DeepSpeed's to save: base.pt holds it (below).
+        self.engine.save_checkpoint(learner_dir, tag="ds", exclude_frozen_parameters=self.lora)
         if self.critic is not None:
             self.critic.save_checkpoint(os.path.join(folder, "critic"), tag="ds")
         torch.save(self._rng_state(), os.path.join(learner_dir, f"rng_rank{self.rank}.pt"))
+        if self.lora:
+            self._save_lora(folder)
         reference = (engines.full_state(engines.unwrapped(self.ref_model), self.cfg.zero_stage, keep=self.rank == 0)
-                     if self.ref_model is not None else None)
+                     if self.ref_model is not None and not self.lora else None)
         if self.rank == 0:
             if reference is not None:
                 torch.save(reference, os.path.join(folder, "reference.pt"))
             self.engine.module.config.save_pretrained(os.path.join(folder, "model"))
             self.tokenizer.save_pretrained(os.path.join(folder, "model"))
 
+    def _save_lora(self, folder: str) -> None:
+        """A LoRA policy's base (`base.pt`, the plain model's names; the frozen reference too)
+        and its adapter folder (`adapter/`, what `grpo export` writes)."""
+        state = engines.full_state(self.engine.module, self.cfg.zero_stage, keep=self.rank == 0)
+        if self.rank == 0:
+            base, _ = engines.split_state(state)
+            torch.save(base, os.path.join(folder, "base.pt"))
+            self.engine.module.save_pretrained(os.path.join(folder, "adapter"), state_dict=state)
+
     def load_checkpoint(self, folder: str) -> None:
         """Restore what save_checkpoint wrote: weights, optimizer, RNG, the reference model."""
         learner_dir = os.path.join(folder, "learner")
+        lora_base = os.path.join(folder, "base.pt")
+        if os.path.exists(lora_base):  # memory-mapped: under ZeRO-3 a rank reads only its partitions' pages
+            self._start_lora(torch.load(lora_base, map_location="cpu", mmap=True))
         path, _ = self.engine.load_checkpoint(learner_dir, tag="ds", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+                                              load_lr_scheduler_states=True, load_module_strict=not self.lora)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {learner_dir}")
         if self.critic is not None:
             self.critic.load_checkpoint(os.path.join(folder, "critic"), tag="ds", load_optimizer_states=True)
         self._set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False))
-        if self.algo.beta > 0:
+        if self.algo.beta > 0 and not self.lora:
             # Memory-mapped: under ZeRO-3 a rank reads only its partitions' pages.
             reference = torch.load(os.path.join(folder, "reference.pt"), map_location="cpu", mmap=True)
             self.ref_model = engines.reference_from_state(self.engine.module.config, reference, self.ds_config,

@@ -250,3 +250,111 @@ def full_state(module, zero_stage: int, keep: bool = True) -> Optional[dict]:
                 copies[id(value)] = value.detach().to("cpu", copy=True) if keep else None
         out[name] = copies[id(value)]
     return out if keep else None
+
+
+# ---- LoRA (peft) ----------------------------------------------------------------------------
+LORA_MARK = ".lora_"
+
+
+def lora_config(cfg, base_path: Optional[str] = None):
+    """peft's LoraConfig of `learner.lora`: every linear projection unless target_modules names some."""
+    from peft import LoraConfig
+
+    targets = list(cfg.target_modules) if cfg.target_modules else "all-linear"
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                      task_type="CAUSAL_LM", base_model_name_or_path=base_path)
+
+
+def lora_engine(base, cfg: LearnerConfig, config: dict):
+    """(engine, optimizer) of `base` with LoRA adapters: the base frozen, the optimizer over the
+    adapters alone (nothing else has optimizer state or gradients)."""
+    import deepspeed
+    from peft import get_peft_model
+
+    model = get_peft_model(base, lora_config(cfg.lora, getattr(base.config, "_name_or_path", None)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = OPTIMIZERS[cfg.optimizer](trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                   config=zero3_bounds(model, config))
+    return engine, optimizer
+
+
+def fresh_base(model_config, dtype, checkpointed: bool):
+    """An empty model of `model_config` to fill with the base's weights (built partitioned while
+    an HfDeepSpeedConfig of ZeRO-3 is alive)."""
+    from transformers import AutoModelForCausalLM
+
+    return prepare_for_training(AutoModelForCausalLM.from_config(model_config, dtype=dtype), checkpointed)
+
+
+def base_name(name: str) -> str:
+    """A peft model's name of a base tensor as the plain model names it."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def adapter_name(name: str) -> str:
+    """A peft model's name of an adapter tensor as peft's saved adapter (and vLLM) names it."""
+    return name.replace(".default.", ".")
+
+
+def split_state(peft_state: dict):
+    """(base, adapters) of a peft model's full state: the base by plain names, the adapters by
+    their saved names."""
+    base = {base_name(k): v for k, v in peft_state.items() if LORA_MARK not in k}
+    adapters = {adapter_name(k): v for k, v in peft_state.items() if LORA_MARK in k}
+    return base, adapters
+
+
+class AdaptersOff:
+    """pi_ref of a LoRA policy: the same engine with its adapters switched off (peft's
+    `disable_adapter`), so the frozen reference needs no copy of the model."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.module = engine.module
+
+    def __call__(self, *args, **kwargs):
+        with self.module.disable_adapter():
+            return self.engine(*args, **kwargs)
+
+
+def lora_pairs(module) -> dict:
+    """For each adapted linear layer of a peft model, by the plain name of its weight:
+    (A, B, scale), what a merge adds: W + scale * B @ A."""
+    pairs = {}
+    for name, layer in module.named_modules():
+        if hasattr(layer, "lora_A") and "default" in getattr(layer, "lora_A", {}):
+            pairs[base_name(f"{name}.base_layer.weight")] = (layer.lora_A["default"].weight,
+                                                             layer.lora_B["default"].weight,
+                                                             layer.scaling["default"])
+    return pairs
+
+
+def merged(weight, pair) -> "torch.Tensor":
+    a, b, scale = pair
+    return weight.detach() + scale * (b.detach() @ a.detach()).to(weight.dtype)
+
+
+def adapter_config_dict(peft_model) -> dict:
+    """The adapter's peft config as its saved adapter_config.json holds it (plain types)."""
+    import json
+
+    config = peft_model.peft_config["default"]
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def adapters_by_weight(peft_state: dict, config) -> dict:
+    """From a peft model's full state: (A, B, scale) by the plain name of each adapted weight."""
+    scale = config.lora_alpha / config.r
+    pairs = {}
+    for name, value in peft_state.items():
+        if ".lora_A." in name:
+            weight = base_name(name.split(".lora_A.")[0] + ".base_layer.weight")
+            pairs[weight] = (value, peft_state[name.replace(".lora_A.", ".lora_B.")], scale)
+    return pairs
+
+
+def merged_state(base: dict, pairs: dict) -> dict:
+    """The base's weights with the adapters merged in (the merged model's state)."""
+    return {name: merged(value, pairs[name]) if name in pairs else value for name, value in base.items()}

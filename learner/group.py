@@ -71,14 +71,16 @@ class LearnerGroup:
             raise ValueError(f"{len(group_refs)} prompt groups cannot be split evenly over {len(self.ranks)} ranks")
         shards = [list(group_refs[i * per_rank:(i + 1) * per_rank]) for i in range(len(self.ranks))]
         results = _get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)], "train_step")
-        return combine_metrics(results)
+        # Each rank's own peak of the step besides the largest (ranks differ: ZeRO's partitions, rank 0's sync).
+        peaks = {f"learner_peak_memory_mb/rank{i}": r["learner_peak_memory_mb"] for i, r in enumerate(results)}
+        return {**combine_metrics(results), **peaks}
 
     def save_checkpoint(self, folder: str) -> None:
         """Every rank writes its part of the checkpoint (DeepSpeed saving is collective)."""
         self.call("save_checkpoint", folder)
 
-    def save_pretrained(self, folder: str) -> str:
-        return self.call("save_pretrained", folder)[0]
+    def save_pretrained(self, folder: str, part: str = "merged") -> str:
+        return self.call("save_pretrained", folder, part)[0]
 
     def shutdown(self) -> None:
         for r in self.ranks:

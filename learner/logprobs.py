@@ -123,6 +123,8 @@ _TAKES: Dict[tuple, bool] = {}
 def takes(model, argument: str) -> bool:
     """Whether the model's forward takes `argument` by name."""
     module = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
+    if hasattr(module, "get_base_model"):  # peft passes what it does not name on to the base model
+        module = module.get_base_model()
     key = (type(module), argument)
     if key not in _TAKES:
         _TAKES[key] = argument in inspect.signature(module.forward).parameters

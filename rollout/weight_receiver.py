@@ -9,6 +9,8 @@ broadcast from learner rank 0.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 from typing import Iterator, Tuple
 
@@ -36,8 +38,11 @@ class WeightReceiver:
         spec = weight_sync.WeightSpec.from_wire(wire_spec)
         start = time.perf_counter()
         timings: dict = {}
+        if wire_spec.get("adapter_config") is not None:
+            return self._receive_adapter(spec, wire_spec, start, timings)
         model = self.model_runner.get_model()
-        expected = [name for name, _ in model.named_parameters()]
+        # An engine serving LoRA wraps its linear layers: their weights are `base_layer`'s.
+        expected = [name.replace(".base_layer.", ".") for name, _ in model.named_parameters()]
         with recorded_loads(model) as loaded:
             # The worker's own reload_weights (not its model runner's): it sets vLLM's config
             # context that the layerwise reload reads.
@@ -45,6 +50,16 @@ class WeightReceiver:
         weight_sync.settle(self._sync_group)
         # Every bucket was received whatever the check finds: the group stays in step for the next push.
         weight_sync.check_loaded(expected, loaded.get("names"))
+        return {"load_s": time.perf_counter() - start, "wait_s": timings.get("wait_s", 0.0)}
+
+    def _receive_adapter(self, spec: weight_sync.WeightSpec, wire_spec: dict, start: float, timings: dict) -> dict:
+        """LoRA adapters: received whole and written by the first tensor-parallel rank as a peft
+        adapter folder in `adapter_dir` (node-local tmpfs), which the engine then loads as a new
+        LoRA version on the next generate call."""
+        tensors = {name: t.clone() for name, t in self._receive(spec, timings)}
+        weight_sync.settle(self._sync_group)
+        if self.rank == 0:
+            write_adapter(wire_spec["adapter_dir"], tensors, wire_spec["adapter_config"])
         return {"load_s": time.perf_counter() - start, "wait_s": timings.get("wait_s", 0.0)}
 
     def _receive(self, spec: weight_sync.WeightSpec, timings: dict) -> Iterator[Tuple[str, "object"]]:
@@ -95,3 +110,13 @@ def recorded_loads(model):
             del model.load_weights
         else:
             model.load_weights = own
+
+
+def write_adapter(folder: str, tensors: dict, config: dict) -> None:
+    """A peft adapter folder: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)

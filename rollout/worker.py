@@ -114,6 +114,8 @@ class GenerationWorker:
         # it dies, before the agents' and tools' processes, which watch it themselves, start.
         self._reaper = start_reaper()
         self.policy_version = 0
+        self.lora_request = None  # the adapter version served on the base, once one was pushed
+        self._lora_pushes = 0
         # Training samples' texts are decoded here, once, when vLLM need not (rollout/texts.py).
         self._rust_tokenizer = texts.fast_tokenizer(self.llm.get_tokenizer())
         self.tools = self.format = None
@@ -183,6 +185,7 @@ class GenerationWorker:
             # Log-probs of the distribution actually sampled from (after temperature, top-k,
             # top-p): the behaviour policy of the importance weights in the loss.
             logprobs_mode="processed_logprobs",
+            **lora_options(rollout_cfg.max_lora_rank),
         )
 
     def ready(self) -> int:
@@ -235,7 +238,7 @@ class GenerationWorker:
             return run_agents(self, prompts, n, greedy, seeds, temperature, version)
         rust = self._rust_tokenizer
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
-        outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False, lora_request=self.lora_request)
         groups: List[PromptGroup] = []
         for (index, prompt, answer, fields), out, sp in zip(prompts, outputs, params):
             groups.append(PromptGroup(
@@ -328,7 +331,7 @@ class GenerationWorker:
         from vllm import SamplingParams
 
         outputs = self.llm.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         return [[float(step[token].logprob) for token, step in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
                 for o in outputs]
 
@@ -340,12 +343,44 @@ class GenerationWorker:
 
     @exits_if_engine_died
     def receive_weights(self, wire_spec: dict, version: int) -> dict:
-        """Load new weights from the sync group; report the version now held."""
+        """Load new weights from the sync group; report the version now held. An adapter push
+        (LoRA) is served from the next call on as a new LoRA version; a full push replaces the
+        base, and with it any adapter pushed for the old one."""
+        adapter = wire_spec.get("adapter_config") is not None
+        if adapter:
+            self._lora_pushes += 1
+            wire_spec = {**wire_spec, "adapter_dir": self._adapter_dir(self._lora_pushes)}
         timings = max(self.llm.collective_rpc("receive_weights", args=(wire_spec,)), key=lambda t: t["load_s"])
+        if adapter:
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest(f"policy-{self._lora_pushes}", self._lora_pushes, wire_spec["adapter_dir"])
+        else:
+            self.lora_request = None
         # Cached prefixes were computed by the old weights: drop them or they leak into new samples.
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return {"policy_version": version, **timings}
+
+    def serve_adapter(self, folder: str) -> None:
+        """Serve the peft adapter saved in `folder` from the next call on (a fresh engine given a
+        saved adapter, for the push's exactness test; `rollout.max_lora_rank` must hold it)."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_pushes += 1
+        self.lora_request = LoRARequest(f"saved-{self._lora_pushes}", self._lora_pushes, folder)
+
+    def _adapter_dir(self, number: int) -> str:
+        """Node-local tmpfs folder of adapter push `number`; the folders of older pushes go
+        (the engine never asks for an adapter version again once a newer one is served)."""
+        import shutil
+
+        root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"grpo-lora-{os.getpid()}")
+        if os.path.isdir(root):
+            for old in os.listdir(root):
+                if old != str(number - 1):
+                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        return os.path.join(root, str(number))
 
     def receive_raw(self, wire_spec: dict) -> dict:
         """A plain broadcast of the sync's bytes, dropped on arrival (the bench's yardstick)."""
@@ -359,6 +394,11 @@ class GenerationWorker:
 def engine_core_in_actor(setting: str, on_gpu: bool) -> bool:
     """rollout.engine_core resolved: `auto` keeps the engine core in the actor on CPUs only."""
     return not on_gpu if setting == "auto" else setting == "actor"
+
+
+def lora_options(max_rank: int) -> dict:
+    """vLLM's LoRA settings for engines that serve pushed adapters (one version at a time)."""
+    return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1} if max_rank else {}
 
 
 def sampling_is_seeded(setting, on_gpu: bool) -> bool:

@@ -382,3 +382,42 @@ def test_an_agent_that_cannot_run_is_refused_before_any_actor(tmp_path, monkeypa
     assert "rollout.agent_concurrency must be at least 1" in config_error("rollout.agent=my_agent:run",
                                                                         "rollout.agent_concurrency=0")
     assert "set one or the other" in config_error("rollout.agent=my_agent:run", "rollout.tools=[calculator]")
+
+
+def test_lora_settings_resolve_and_refuse_what_cannot_run():
+    cfg = load_config(["learner.lora.rank=12"])
+    assert cfg.rollout.max_lora_rank == 16  # rounded up to a size vLLM serves
+    assert load_config(["learner.lora.rank=12", "learner.lora.push=merged"]).rollout.max_lora_rank == 0
+    assert load_config([]).rollout.max_lora_rank == 0
+    for overrides, message in [
+        (["learner.lora.rank=8", "algo.adv_estimator=gae"], "the critic has no LoRA"),
+        (["learner.lora.rank=600"], r"learner.lora.rank=600 exceeds what the engines serve"),
+        (["learner.lora.rank=16", "rollout.max_lora_rank=8"], "use learner.lora.push=merged"),
+        (["rollout.max_lora_rank=12"], "rollout.max_lora_rank=12"),
+        (["learner.lora.rank=8", "rollout.tools=[calculator]"], "single-turn generation only"),
+        (["learner.lora.rank=8", "learner.lora.target_modules=[]"], "target_modules is empty"),
+        (["learner.lora.rank=8", "learner.lora.dropout=1.0"], r"dropout must be in \[0, 1\)"),
+        (["learner.lora.push=full"], "learner.lora.push must be one of adapter, merged"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides)
+
+
+def test_lora_targets_must_name_a_layer_no_narrower_than_the_rank(tmp_path):
+    from cluster.preflight import check_lora_targets, lora_targets
+    from learner.tiny_model import build_tiny_model
+
+    cfg = load_config([f"model.cache_dir={tmp_path}"])
+    folder = str(build_tiny_model(cfg.model, cfg.trainer.seed, False))
+    cfg.learner.lora.rank = 8
+    every = lora_targets(cfg, folder)
+    assert len(every) == 7 * cfg.model.num_layers and not any("lm_head" in n for n in every)
+    check_lora_targets(cfg, folder)
+    cfg.learner.lora.target_modules = ["q_proj", "v_proj"]
+    assert len(lora_targets(cfg, folder)) == 2 * cfg.model.num_layers
+    cfg.learner.lora.target_modules = ["nope"]
+    with pytest.raises(ConfigError, match=r"names no linear layer"):
+        check_lora_targets(cfg, folder)
+    cfg.learner.lora.target_modules, cfg.learner.lora.rank = None, cfg.model.hidden_size + 1
+    with pytest.raises(ConfigError, match=rf"rank={cfg.model.hidden_size + 1} exceeds the layer"):
+        check_lora_targets(cfg, folder)

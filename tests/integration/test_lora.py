@@ -1,0 +1,174 @@
+"""LoRA for real (peft, DeepSpeed, vLLM's CPU build): the learner's step is the adapters'
+gradient of the GRPO loss computed by hand with peft on the same batch, with the reference
+the base with its adapters off; only the adapters have optimizer state; the adapter push leaves
+an engine that equals a fresh engine of the base given the saved adapter."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+import torch
+
+from cluster.sync_channel import WeightSyncChannel
+from common.config import LoraConfig
+from helpers import engine_state, varied_groups, warmed_learner
+from learner import engines, grpo
+from rollout.pool import RolloutPool
+
+G = 4
+RANK = 4
+GRAD_RTOL = 1e-4  # as the equivalence test's: reduction-order rounding only
+
+
+def _lora_cfg(cfg, **learner):
+    lora = LoraConfig(rank=RANK, alpha=8.0)
+    return replace(cfg, learner=replace(cfg.learner, lora=lora, **learner))
+
+
+class PlainLoRA:
+    """The GRPO loss of a peft model in plain PyTorch: pi_old the policy before the step,
+    pi_ref the base (adapters off), SGD steps of the clipped adapter gradient."""
+
+    def __init__(self, model_path: str, state: dict, groups, cfg):
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = get_peft_model(base, engines.lora_config(cfg.learner.lora))
+        self.model.load_state_dict(state)
+        self.clip, self.algo = cfg.learner.grad_clip, cfg.algo
+        seqs = [list(g.prompt_ids) + list(c) for g in groups for c in g.completion_ids]
+        starts = [len(g.prompt_ids) for g in groups for _ in g.completion_ids]
+        length = max(map(len, seqs))
+        self.ids = torch.zeros((len(seqs), length), dtype=torch.long)
+        self.attention = torch.zeros_like(self.ids)
+        self.mask = torch.zeros((len(seqs), length - 1), dtype=torch.bool)
+        for i, (seq, start) in enumerate(zip(seqs, starts)):
+            self.ids[i, :len(seq)] = torch.tensor(seq)
+            self.attention[i, :len(seq)] = 1
+            self.mask[i, start - 1:len(seq) - 1] = True
+        self.A = grpo.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), G, scale="group",
+                                         eps=1e-4)
+
+    def logprobs(self) -> torch.Tensor:
+        logits = self.model(input_ids=self.ids, attention_mask=self.attention).logits[:, :-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, self.ids[:, 1:, None]).squeeze(-1)
+
+    def sgd_step(self, lr: float) -> dict:
+        """One step; returns the change of each adapter per unit of lr."""
+        with torch.no_grad():
+            old = self.logprobs()
+            with self.model.disable_adapter():
+                ref = self.logprobs()
+        a = self.algo
+        loss, _ = grpo.policy_loss(self.logprobs(), old, ref, self.A, self.mask, clip_low=a.clip_low,
+                                   clip_high=a.clip_high, beta=a.beta, kl_estimator=a.kl_estimator,
+                                   loss_agg=a.loss_agg)
+        trained = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+        self.model.zero_grad()
+        loss.backward()
+        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained.values())))
+        scale = min(1.0, self.clip / (norm + 1e-6))
+        with torch.no_grad():
+            for p in trained.values():
+                p -= lr * scale * p.grad
+        return {k: scale * p.grad.detach().clone() for k, p in trained.items()}
+
+
+def _adapters(state: dict) -> dict:
+    return {k: v for k, v in state.items() if engines.LORA_MARK in k}
+
+
+def _mismatch(update: dict, reference: dict) -> float:
+    assert update.keys() == reference.keys()
+    scale = max(float(v.abs().max()) for v in reference.values())
+    assert scale > 0, "the reference step changed nothing"
+    return max(float((update[k] - reference[k]).abs().max()) for k in reference) / scale
+
+
+def test_lora_steps_are_the_adapter_gradient_by_hand(learners, system_cfg):
+    """Two SGD steps (lr 1: the update is the clipped gradient): at the first the policy equals
+    the reference (B = 0), at the second the KL to the adapters-off base pulls too."""
+    cfg = _lora_cfg(system_cfg, num_ranks=1, zero_stage=2, optimizer="sgd", minibatches=1,
+                    max_tokens_per_microbatch=0, num_cpus_per_rank=0.1)
+    cfg = replace(cfg, algo=replace(cfg.algo, beta=0.5))  # a KL term large enough to tell
+    vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
+    groups = varied_groups(vocab, G)
+    with learners.learner(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0) as learner:
+        learner.call("snapshot_reference")
+        numel = learner.call("trained_numel")[0]
+        states = [learner.call("state_copy")[0]]
+        for _ in range(2):
+            learner.train_step([ray.put(g) for g in groups], 1.0, 1.0)
+            states.append(learner.call("state_copy")[0])
+    # Only the adapters train and the optimizer holds nothing else: 2 r (d_in + d_out) each.
+    dims = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    h, m, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
+    kv = h // dims["num_attention_heads"] * dims.get("num_key_value_heads", dims["num_attention_heads"])
+    per_layer = RANK * ((h + h) * 2 + (h + kv) * 2 + 2 * (h + m) + (m + h))
+    assert numel["trainable"] == layers * per_layer == numel["optimizer_params"], numel
+    assert numel["all"] > 10 * numel["trainable"]
+    plain = PlainLoRA(cfg.model.path, states[0], groups, cfg)
+    for step in range(2):
+        by_hand = plain.sgd_step(1.0)
+        update = {k: states[step][k] - states[step + 1][k] for k in _adapters(states[0])}
+        error = _mismatch(update, by_hand)
+        assert error <= GRAD_RTOL, f"step {step + 1}: adapter gradients differ by {error:.2e}"
+    base = {k: v for k, v in states[0].items() if engines.LORA_MARK not in k}
+    assert all(torch.equal(base[k], states[-1][k]) for k in base), "the base changed"
+
+
+def test_adapter_push_equals_a_fresh_engine_with_the_saved_adapter(learners, fresh_engines, system_cfg, tmp_path):
+    cfg = _lora_cfg(system_cfg)
+    rollout = replace(cfg.rollout, num_workers=1, num_cpus_per_worker=0.5, max_lora_rank=8)
+    pool = RolloutPool(cfg.model.path, rollout, 0)
+    try:
+        with warmed_learner(learners, cfg, 2) as learner:  # a base other than the engines' initial weights
+            learner.call("snapshot_reference")
+            channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+            vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
+            learner.train_step([ray.put(g) for g in varied_groups(vocab, G)], 1.0, 1e-2)
+            metrics = channel.push(1)  # the base, then the adapters
+            base_bytes = sum(4 * torch.Size(s).numel() for _, s in channel.base_spec["tensors"])
+            assert pool.versions() == [1]
+            base = learner.save_pretrained(str(tmp_path / "base"), "base")
+            adapter = learner.save_pretrained(str(tmp_path / "adapter"), "adapter")
+        fresh = fresh_engines.engine(base, rollout, 123)
+        ray.get(fresh.serve_adapter.remote(adapter))
+        expected, got = engine_state(fresh), engine_state(pool.workers[0])
+        assert got[0] == expected[0], "greedy outputs differ from a fresh engine's with the saved adapter"
+        assert got[1] == expected[1], "prompt log-probs differ from a fresh engine's with the saved adapter"
+        assert got[2] == expected[2], "base parameters differ from a fresh engine's"
+        plain = fresh_engines.engine(base, replace(rollout, max_lora_rank=0), 123)
+        assert engine_state(plain)[1] != got[1], "the adapter changed nothing"
+    finally:
+        pool.shutdown()
+    assert 0 < metrics["sync_bytes"] < base_bytes / 10, (metrics["sync_bytes"], base_bytes)
+
+
+def test_lora_resume_is_bit_exact(learners, system_cfg, tmp_path):
+    """A LoRA learner checkpointed after a step and restored in a fresh build takes the next
+    AdamW step to the same bits as the run that went on; the checkpoint holds the base once,
+    the adapters, and DeepSpeed's state of the adapters alone."""
+    cfg = _lora_cfg(system_cfg, num_ranks=2, zero_stage=2, num_cpus_per_rank=0.1)
+    vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
+    refs = [ray.put(g) for g in varied_groups(vocab, G)]
+    settings = (cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0)
+    with learners.learner(*settings) as learner:
+        learner.call("snapshot_reference")
+        learner.train_step(refs, 1.0, 1e-2)
+        learner.save_checkpoint(str(tmp_path))
+        learner.train_step(refs, 1.0, 1e-2)
+        went_on = learner.call("state_copy")[0]
+    with learners.learner(*settings) as learner:  # rebuilt: the full model again, as a new run starts
+        learner.call("load_checkpoint", str(tmp_path))
+        learner.train_step(refs, 1.0, 1e-2)
+        resumed = learner.call("state_copy")[0]
+    assert went_on.keys() == resumed.keys()
+    assert all(torch.equal(went_on[k], resumed[k]) for k in went_on), "the resumed step differs"
+    assert (tmp_path / "base.pt").is_file() and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "reference.pt").exists()
+    saved = torch.load(next((tmp_path / "learner" / "ds").glob("mp_rank_00_model_states.pt")), weights_only=False)
+    assert saved["module"] and all(engines.LORA_MARK in k for k in saved["module"]), "frozen weights saved"
