@@ -164,7 +164,8 @@ def injected_fault(step: int, roles: Roles, during_update: bool = False) -> None
     GRPO_FAULT=learner@k kills the last learner rank (the next update then fails). During step
     k's update (`during_update`): GRPO_FAULT=learner-update@k kills the last rank moments after
     the update started on the ranks. Several faults: comma-separated, each applied once per
-    process (a recovered run that trains step k again is not killed again)."""
+    process (a recovered run that trains step k again is not killed again). GRPO_FAULT=census@k
+    writes what Ray holds to $GRPO_CENSUS_FILE (`write_census`)."""
     for fault in os.environ.get("GRPO_FAULT", "").split(","):
         if not fault.endswith(f"@{step}") or fault in _FAULTS_DONE:
             continue
@@ -186,6 +187,21 @@ def injected_fault(step: int, roles: Roles, during_update: bool = False) -> None
             import ray
 
             threading.Timer(UPDATE_FAULT_DELAY_S, ray.kill, [roles.learner.ranks[-1]]).start()
+        elif kind == "census":
+            write_census(os.environ["GRPO_CENSUS_FILE"])
+
+
+def write_census(path: str) -> None:
+    """What this run's Ray holds (placement groups by name and state, actors by class and
+    state), as JSON: the recovery tests check that a rebuilt learner left nothing behind."""
+    import json
+
+    import ray
+    from ray._private import state
+
+    groups = [[g["name"], g["state"]] for g in ray.util.placement_group_table().values()]
+    actors = [[a.get("ActorClassName") or a.get("Name", ""), a["State"]] for a in state.actors().values()]
+    Path(path).write_text(json.dumps({"placement_groups": groups, "actors": actors}))
 
 
 _FAULTS_DONE: set = set()
