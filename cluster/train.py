@@ -91,6 +91,7 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
         while step <= cfg.trainer.max_steps:
             try:
                 row = grpo_step(step, run.version, run.roles, run.batches, run.buffer, cfg)
+                end_step(run, step, row, heldout)  # its checkpoint needs every rank too
             except (LearnerError, WeightSyncError) as error:
                 # A lost learner shard, or a push that could not be completed or retried (with NCCL
                 # a receiver lost mid-broadcast leaves the sender's communicator unusable): a new
@@ -98,7 +99,6 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
                 # to go on.
                 step = recover_learner(run, step, error)
                 continue
-            end_step(run, step, row, heldout)
             injected_fault(step, run.roles)
             step += 1
     run.stop_batches()

@@ -526,10 +526,11 @@ class TrainerConfig(Section):
     progress: bool = True
     """Show the terminal progress bar."""
     save_every: int = 10
-    """Write a checkpoint every N GRPO steps and at the last one (0: never). At 10 a save costs
-    about 1% of the default job's run time and less for a 100 M model, whose steps grow faster
-    than its saves (docs/performance.md, "Checkpoint cost"); a lost learner rank or a killed
-    driver then repeats at most 9 steps. Raise it where a save takes longer than a step."""
+    """Write a checkpoint every N GRPO steps and at the last one (0: never). Every 10 steps a
+    save costs about 1% of the run time, for the default job and for a 100 M model alike (a
+    save takes a tenth of a step or less: docs/performance.md, "Checkpoint cost"), and a lost
+    learner rank or a killed driver repeats at most 9 steps. Raise it where one save takes
+    longer than half a step (a large model on fast GPUs with a slow shared file system)."""
     keep_checkpoints: int = 2
     """Newest complete checkpoints kept (0: all)."""
     resume: Optional[str] = None
