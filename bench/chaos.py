@@ -60,6 +60,8 @@ def watch(cmd: list, run_dir: Path, pending: list, kills: list, resumes: list, l
     """Run one `grpo train` process, killing what `pending` says as the steps are logged;
     returns (its exit status, its stdout)."""
     lines: list = []
+    for entry in resumes:  # a kill of an earlier process: this one's "resumed from" answers it
+        entry["new_process"] = True
     with log.open("a") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sink, text=True)
         driver = psutil.Process(proc.pid)
@@ -83,7 +85,8 @@ def watch(cmd: list, run_dir: Path, pending: list, kills: list, resumes: list, l
 
 
 def note_resumed(resumes: list, lines: list) -> None:
-    if resumes and "at" not in resumes[-1] and any("resumed from" in line for line in lines):
+    if resumes and resumes[-1].get("new_process") and "at" not in resumes[-1] and \
+            any("resumed from" in line for line in lines):
         resumes[-1]["at"] = time.monotonic() - resumes[-1]["t0"]
 
 
