@@ -11,10 +11,12 @@ truncated importance weights (`algo.is_cap`) correct for the staleness that rema
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import pickle
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional
 
@@ -170,8 +172,9 @@ class SyncBatches:
         """Batches being generated or waiting beyond the one in training."""
         return 0
 
-    def resume_state(self) -> Dict[str, int]:
-        return self.sampler.state_dict()
+    def ahead_state(self) -> tuple:
+        """(batches made ahead of the learner: none in sync mode, the sampler's state)."""
+        return [], self.sampler.state_dict()
 
     def close(self) -> None:
         pass
@@ -181,29 +184,38 @@ class AsyncBatches:
     """Off-policy by a bounded amount: batches for the next `lookahead` steps are generated and
     scored in a background thread while the learner trains (Ray calls are thread-safe)."""
 
-    def __init__(self, roles, sampler, cfg, first_step: int, last_step: int, lookahead: int):
+    def __init__(self, roles, sampler, cfg, first_step: int, last_step: int, lookahead: int,
+                 ready: Optional[List[tuple]] = None):
+        """`ready`: (step, Batch) pairs made ahead before a checkpoint, trained first (a
+        resumed run trains on what the straight run made with the previous version's weights)."""
         self.roles, self.sampler, self.cfg = roles, sampler, cfg
         self.last_step, self.lookahead = last_step, lookahead
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self.pending: Deque[tuple] = deque()  # (step, future, started event, sampler state holder)
+        self.pending: Deque[tuple] = deque()  # (step, future, started event)
         self.next_step = first_step
+        for step, batch in ready or []:
+            assert step == self.next_step, f"a saved batch of step {step} where step {self.next_step} comes"
+            future, started = Future(), threading.Event()
+            future.set_result(batch)
+            started.set()
+            self.pending.append((step, future, started))
+            self.next_step += 1
         self._fill()
 
     def _fill(self) -> None:
         while len(self.pending) < self.lookahead and self.next_step <= self.last_step:
-            started, holder = threading.Event(), {}
+            started = threading.Event()
             step = self.next_step
 
-            def job(step=step, started=started, holder=holder) -> Batch:
-                holder["state"] = self.sampler.state_dict()
+            def job(step=step, started=started) -> Batch:
                 started.set()
                 return collect(step, self.roles, self.sampler, self.cfg)
 
-            self.pending.append((step, self.executor.submit(job), started, holder))
+            self.pending.append((step, self.executor.submit(job), started))
             self.next_step += 1
 
     def next(self, step: int) -> Batch:
-        pending_step, future, _, _ = self.pending.popleft()
+        pending_step, future, _ = self.pending.popleft()
         assert pending_step == step, f"async batches out of order: {pending_step} for step {step}"
         batch: Batch = future.result()
         self._fill()  # the next batches start generating before this one is trained
@@ -213,20 +225,40 @@ class AsyncBatches:
     def ahead(self) -> int:
         return len(self.pending)
 
-    def resume_state(self) -> Dict[str, int]:
-        """The sampler's state before the oldest batch not yet trained (it is thrown away and
-        drawn again on resume)."""
-        if not self.pending:
-            return self.sampler.state_dict()
-        _, future, started, holder = self.pending[0]
-        started.wait()
-        return holder["state"]
+    def ahead_state(self) -> tuple:
+        """(the (step, Batch) pairs made ahead of the learner, the sampler's state after them),
+        for a checkpoint: the batches were made with older weights than the checkpoint's, so a
+        resume must train on them rather than make them again. Waits until they are made (the
+        next step would wait for the first of them anyway)."""
+        made = [(step, future.result()) for step, future, _ in self.pending]
+        return made, self.sampler.state_dict()
 
     def close(self) -> None:
-        for _, future, _, _ in self.pending:
+        for _, future, _ in self.pending:
             future.cancel()
-        for _, future, started, _ in self.pending:
+        for _, future, started in self.pending:
             if started.is_set():
                 with contextlib.suppress(Exception):
                     future.result()  # let a running job end before the actors go away
         self.executor.shutdown(wait=True)
+
+
+AHEAD_FILE = "ahead_batches.pkl"
+
+
+def freeze(made: List[tuple]) -> bytes:
+    """Batches made ahead, with their groups' payloads (fetched from the object store: the
+    checkpoint must hold them, not references that die with this Ray), as bytes."""
+    import ray
+
+    frozen = [(step, dataclasses.replace(batch, refs=ray.get(list(batch.refs)), restarts=[]))
+              for step, batch in made]
+    return pickle.dumps(frozen)
+
+
+def thaw(data: bytes) -> List[tuple]:
+    """What `freeze` wrote, the groups put back in the object store."""
+    import ray
+
+    return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs]))
+            for step, batch in pickle.loads(data)]

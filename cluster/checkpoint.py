@@ -9,6 +9,7 @@ Layout of one checkpoint, `<run>/checkpoints/step-000040/`:
 | `base.pt`, `adapter/` | learner rank 0 | with LoRA: the frozen base (also the reference) and the adapter folder; `learner/` then holds only the adapters and their optimizer |
 | `model/` | learner rank 0 | the model's config and tokenizer (what `grpo export` needs besides weights) |
 | `trainer_state.json` | the driver | step, policy version, prompt sampler position, driver RNGs |
+| `ahead_batches.pkl` | the driver, async mode | the scored batches made ahead of the learner (cluster/batches.py) |
 | `manifest.json` | the driver, last | every other file's path and size |
 
 Everything is written under `checkpoints/.tmp-step-000040/`, synced, given its manifest and
@@ -18,7 +19,7 @@ that is never picked, and `trainer.resume=auto` says in one line which one it sk
 Saving a step that already has a checkpoint (a resumed run that re-reached it) moves the old
 folder aside to `.old-step-000040` before the new one is renamed in, and deletes it only then:
 a kill in between leaves the old one, which is still picked. Leftovers are cleared by the next
-save. The rollout needs no state: its sampling seeds are a function of (seed, step).
+save. The rollout needs no other state: its sampling seeds are a function of (seed, step).
 """
 from __future__ import annotations
 
@@ -145,15 +146,20 @@ def restore_driver_rng(state: Dict[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def save_checkpoint(run_dir: Path, step: int, learner, trainer_state: Dict[str, Any], keep: int) -> Path:
-    """Write checkpoint `step` atomically; keep only the newest `keep` (0: all). An OSError of
-    the write (a full disk) removes the partial folder and raises CheckpointError."""
+def save_checkpoint(run_dir: Path, step: int, learner, trainer_state: Dict[str, Any], keep: int,
+                    extra: Optional[Dict[str, bytes]] = None) -> Path:
+    """Write checkpoint `step` atomically; keep only the newest `keep` (0: all). `extra`: more
+    files of the driver's (name: bytes), part of the manifest. An OSError of the write (a full
+    disk) removes the partial folder and raises CheckpointError."""
     final = checkpoint_path(run_dir, step)
     tmp, aside = final.parent / f".tmp-{final.name}", final.parent / f".old-{final.name}"
     _clear_leftovers(final.parent)
     try:
         tmp.mkdir(parents=True)
         learner.save_checkpoint(str(tmp))
+        for name, data in (extra or {}).items():
+            with (tmp / name).open("wb") as handle:
+                handle.write(data)
         _write_synced(tmp / STATE_FILE, json.dumps({**trainer_state, "rng": driver_rng_state()}))
         _write_synced(tmp / MANIFEST, json.dumps({"step": step, "files": _sizes(tmp)}))
         _sync_folder(tmp)

@@ -15,12 +15,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, config: dict, total_steps: int, logger_cfg, progress: bool,
                  resume_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        # A resumed run keeps the lines up to its checkpoint and writes the rest again.
-        kept = []
-        if resume_step > 0 and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        self.sent = 0  # the last step wandb has: it takes no step twice
+        self._keep(resume_step)
         self.wandb_run = None
         if logger_cfg.backend == "wandb":
             import wandb
@@ -39,11 +35,29 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="GRPO", unit="step", dynamic_ncols=True)
 
+    def _keep(self, step: int) -> None:
+        """A resumed run keeps the lines up to its checkpoint and writes the rest again."""
+        kept = []
+        if step > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def rewind(self, step: int) -> None:
+        """Back to the end of `step` (a learner rebuilt from its checkpoint trains the later
+        steps again): their lines are written again; wandb keeps the ones it has, which the
+        steps trained again repeat."""
+        self._keep(step)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def log(self, row: Dict[str, float]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and int(row["step"]) > self.sent:
             self.wandb_run.log(row, step=int(row["step"]))
+            self.sent = int(row["step"])
         if self.bar is not None:
             self.bar.set_postfix({short: f"{row[key]:.3f}" for key, short in BAR_KEYS.items() if key in row})
             self.bar.update(1)

@@ -49,6 +49,7 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
     """One GRPO iteration: take a scored batch (made now, or ahead in async mode), drop what is
     too stale, train, push the new weights."""
     from cluster.batches import Timer, drop_stale
+    from cluster.samples import sample_ids
     from learner.lr_schedule import lr_at
     from reward.pool import summarize
 
@@ -59,7 +60,9 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         staleness = drop_stale(batch, version, cfg.algo.max_staleness, step, roles, batches.sampler, cfg)
     buffer.put(batch.refs, version)
     occupancy = {"buffer_groups": float(len(buffer)), "batches_ahead": float(batches.ahead)}
+    samples = sample_ids(step, batch.items, batch.versions, cfg.algo.group_size)
     with roles.channel.lock:  # a restarted worker re-joining waits for this push, not half of it
+        injected_fault(step, roles, during_update=True)
         with timer("time_train"):
             learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
         with timer("time_weight_sync"):
@@ -89,6 +92,7 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         **timer.times,
         "time_step": step_seconds,
         "restart_events": restarts,
+        "samples": samples,
     }
 
 
@@ -100,11 +104,13 @@ def restart_line(step: int, event: dict) -> str:
     return f"step {step}: {who} died{during}: {event['cause']}{back}"
 
 
-def make_batches(cfg: Config, roles: Roles, sampler, first_step: int):
+def make_batches(cfg: Config, roles: Roles, sampler, first_step: int, ready: Optional[List[tuple]] = None):
+    """The batch source; `ready`: batches a checkpoint saved as made ahead (async mode)."""
     from cluster.batches import AsyncBatches, SyncBatches
 
     if cfg.trainer.mode == "async":
-        return AsyncBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead)
+        return AsyncBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead,
+                            ready)
     return SyncBatches(roles, sampler, cfg)
 
 
@@ -128,7 +134,9 @@ def find_resume_point(cfg: Config) -> Optional[Path]:
 
 def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
     """Learner state, prompt position and RNGs from `checkpoint`; the generation workers get
-    the restored weights (and its policy version) before they generate anything."""
+    the restored weights (and its policy version) before they generate anything. In async
+    mode the batches made ahead of the learner come back too, as `state["ahead"]`."""
+    from cluster.batches import AHEAD_FILE, thaw
     from cluster.checkpoint import load_trainer_state, restore_driver_rng
 
     state = load_trainer_state(checkpoint)
@@ -137,6 +145,8 @@ def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
     sampler.load_state_dict(state["sampler"])
     restore_driver_rng(state["rng"])
     roles.channel.push(state["policy_version"])
+    ahead = Path(checkpoint) / AHEAD_FILE
+    state["ahead"] = thaw(ahead.read_bytes()) if ahead.exists() else []
     return state
 
 
@@ -150,21 +160,56 @@ def resume_hint(cfg: Config, run_dir: Path) -> str:
             f"trainer.run_name={cfg.trainer.run_name} trainer.resume=auto")
 
 
-def injected_fault(step: int, roles: Roles) -> None:
-    """Fault injection for the recovery tests, once step k is logged and checkpointed:
-    GRPO_FAULT=driver@k kills this process (SIGKILL, as a lost head node would);
-    GRPO_FAULT=learner@k kills learner rank 1 (the next update then fails)."""
-    fault = os.environ.get("GRPO_FAULT", "")
-    if not fault.endswith(f"@{step}"):
-        return
-    if fault.startswith("driver@"):
-        import signal
+def injected_fault(step: int, roles: Roles, during_update: bool = False) -> None:
+    """Fault injection for the recovery tests and bench/chaos.py, once step k is logged and
+    checkpointed: GRPO_FAULT=driver@k kills this process (SIGKILL, as a lost head node would);
+    GRPO_FAULT=learner@k kills the last learner rank (the next update then fails). During step
+    k's update (`during_update`): GRPO_FAULT=learner-update@k kills the last rank moments after
+    the update started on the ranks. Several faults: comma-separated, each applied once per
+    process (a recovered run that trains step k again is not killed again). GRPO_FAULT=census@k
+    writes what Ray holds to $GRPO_CENSUS_FILE (`write_census`)."""
+    for fault in os.environ.get("GRPO_FAULT", "").split(","):
+        if not fault.endswith(f"@{step}") or fault in _FAULTS_DONE:
+            continue
+        kind = fault.split("@")[0]
+        if (kind == "learner-update") != during_update:
+            continue
+        _FAULTS_DONE.add(fault)
+        if kind == "driver":
+            import signal
 
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif fault.startswith("learner@"):
-        import ray
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "learner":
+            import ray
 
-        ray.kill(roles.learner.ranks[-1])
+            ray.kill(roles.learner.ranks[-1])
+        elif kind == "learner-update":
+            import threading
+
+            import ray
+
+            threading.Timer(UPDATE_FAULT_DELAY_S, ray.kill, [roles.learner.ranks[-1]]).start()
+        elif kind == "census":
+            write_census(os.environ["GRPO_CENSUS_FILE"])
+
+
+def write_census(path: str) -> None:
+    """What this run's Ray holds (placement groups by name and state, actors by class and
+    state), as JSON: the recovery tests check that a rebuilt learner left nothing behind."""
+    import json
+
+    import ray
+    from ray._private import state
+
+    groups = [[g["name"], g["state"]] for g in ray.util.placement_group_table().values()]
+    actors = [[a.get("ActorClassName") or a.get("Name", ""), a["State"]] for a in state.actors().values()]
+    Path(path).write_text(json.dumps({"placement_groups": groups, "actors": actors}))
+
+
+_FAULTS_DONE: set = set()
+UPDATE_FAULT_DELAY_S = 0.2
+"""learner-update@k: how long after the update's calls are sent the rank is killed (they are
+sent right after; the shortest test update lasts longer)."""
 
 
 def algorithm(cfg: Config) -> str:

@@ -96,14 +96,18 @@ class Placement:
     """The placement groups of every role, created and ready before any actor starts."""
 
     def __init__(self, cfg, timeout_s: float, roles: Sequence[str] = ROLES):
+        self.cfg, self.timeout_s, self.groups = cfg, timeout_s, {}
+        self._create(roles)
+
+    def _create(self, roles: Sequence[str]) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.groups = {}
+        cfg, timeout_s = self.cfg, self.timeout_s
         for role in roles:
             strategy = getattr(cfg.cluster.strategy, role)
             self.groups[role] = placement_group(bundles(cfg, role), strategy=strategy, name=f"grpo-{role}")
-        ready = {g.ready(): role for role, g in self.groups.items()}
+        ready = {self.groups[role].ready(): role for role in roles}
         done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=timeout_s)
         pending = [role for ref, role in ready.items() if ref not in done]
         if pending:
@@ -120,8 +124,17 @@ class Placement:
             placement_group=self.groups[role], placement_group_bundle_index=index,
             placement_group_capture_child_tasks=False)}
 
+    def replace(self, role: str) -> None:
+        """A new placement group for `role` in place of its old one (removed first, so that its
+        reservation is free again): the learner's, after a rank or its node was lost."""
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.groups.pop(role))
+        self._create((role,))
+
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for group in self.groups.values():
+        groups, self.groups = list(self.groups.values()), {}
+        for group in groups:
             remove_placement_group(group)

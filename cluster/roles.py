@@ -28,19 +28,38 @@ class Roles:
                 pass
 
 
+    def restart_learner(self, cfg: Config) -> None:
+        """A lost learner rank (or node): the whole group goes (its other ranks hold shards of
+        a state that cannot continue without the lost one), its placement group is made again,
+        new ranks start in it and the weight-sync channel joins the new rank 0. The caller
+        loads a checkpoint into them and pushes it."""
+        try:
+            self.learner.shutdown()
+        except Exception:  # ranks already gone
+            pass
+        self.placement.replace("learner")
+        self.learner = start_learner(cfg, self.placement)
+        self.channel.repoint(self.learner)
+
+
+def start_learner(cfg: Config, placement):
+    from learner.group import LearnerGroup
+
+    return LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.completion_budget, cfg.trainer.seed,
+                        placement=lambda i: placement.options("learner", i))
+
+
 def start_roles(cfg: Config) -> Roles:
     """Each role in its own placement group, on the nodes `cluster.nodes` names; each actor gets
     its config section as the typed dataclass."""
     from cluster.placement import Placement
     from cluster.sync_channel import WeightSyncChannel
-    from learner.group import LearnerGroup
     from reward.pool import VerifierPool
     from rollout.pool import RolloutPool
 
     placement = Placement(cfg, cfg.cluster.placement_timeout_s)
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
-    learner = LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.completion_budget, cfg.trainer.seed,
-                           placement=lambda i: placement.options("learner", i))
+    learner = start_learner(cfg, placement)
     verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
     rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,
                           placement=lambda i: placement.options("rollout", i))

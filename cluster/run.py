@@ -11,6 +11,7 @@ from typing import Dict, Optional
 from cluster.buffer import RolloutBuffer
 from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, say, show_prompt
 from cluster.roles import Roles, start_roles
+from cluster.samples import SampleLog
 from common.config import Config
 
 
@@ -31,6 +32,14 @@ class Run:
     """Which training prompts come next (rollout/datasets.py's PromptSampler)."""
     accuracy_before: float = 0.0
     """Held-out greedy accuracy GRPO started from."""
+    samples: object = None
+    """The SampleLog (samples.jsonl: which samples each step trained on)."""
+    ahead: list = field(default_factory=list)
+    """Async mode, resumed: the (step, Batch) pairs the checkpoint saved as made ahead."""
+    learner_restarts: int = 0
+    """Times the learner group was rebuilt after losing a rank (cluster/recovery.py)."""
+    checkpoint_seconds: list = field(default_factory=list)
+    """Seconds of each checkpoint written (the summary reports their count and sum)."""
 
     def say(self, message: str) -> None:
         say(message, self.started)
@@ -63,6 +72,7 @@ class Run:
         cfg = self.cfg
         self.logger = MetricsLogger(self.run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger,
                                     cfg.trainer.progress, resume_step=first_step - 1)
+        self.samples = SampleLog(self.run_dir, resume_step=first_step - 1)
 
     def close_logger(self) -> Optional[str]:
         """Finish the logger; returns the wandb run's folder (None without wandb)."""

@@ -88,6 +88,13 @@ class WeightSyncChannel:
             return None
         return f"/dev/shm/grpo-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
+    def repoint(self, learner) -> None:
+        """A new learner group in place of a lost one: its rank 0 becomes the group's root and
+        every worker joins it afresh (the next push then sends the new group's weights)."""
+        with self.lock:
+            self.learner = learner
+            self._join()
+
     def recover(self) -> Dict[str, float]:
         """After a generation actor was restarted (a fresh engine, out of the group, holding the
         initial weights): rebuild the group and push the current version to every worker, so

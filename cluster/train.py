@@ -65,9 +65,12 @@ def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) ->
         run.version = warm_up(run.roles, cfg, train_set, prompts["turn_end_ids"])
         run.accuracy_before = evaluate(run.roles, heldout)
         run.say(f"held-out greedy accuracy after warm-up: {run.accuracy_before:.1%}")
+        if cfg.trainer.max_restarts:  # a learner lost before the first scheduled save comes back to here
+            checkpoint(run, 0)
         return 1
     state = resume(run.roles, resume_from, run.sampler)
     run.version, run.accuracy_before = state["policy_version"], state["accuracy_before"]
+    run.ahead = state["ahead"]
     run.say(f"resumed from {resume_from} (step {state['step']}, policy version {run.version})")
     return state["step"] + 1
 
@@ -75,24 +78,29 @@ def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) ->
 def run_steps(run: Run, first_step: int, heldout) -> None:
     """The GRPO steps: each one logged, evaluated and checkpointed as configured."""
     from cluster.exits import steps_running
-    from cluster.phases import grpo_step, injected_fault, make_batches, resume_hint
+    from cluster.phases import grpo_step, injected_fault, make_batches
+    from cluster.recovery import recover_learner
     from cluster.sync_channel import WeightSyncError
     from learner.group import LearnerError
 
     cfg = run.cfg
-    run.batches = make_batches(cfg, run.roles, run.sampler, first_step)
+    run.batches = make_batches(cfg, run.roles, run.sampler, first_step, run.ahead)
+    run.ahead = []
+    step = first_step
     with steps_running():
-        for step in range(first_step, cfg.trainer.max_steps + 1):
+        while step <= cfg.trainer.max_steps:
             try:
                 row = grpo_step(step, run.version, run.roles, run.batches, run.buffer, cfg)
+                end_step(run, step, row, heldout)  # its checkpoint needs every rank too
             except (LearnerError, WeightSyncError) as error:
                 # A lost learner shard, or a push that could not be completed or retried (with NCCL
-                # a receiver lost mid-broadcast leaves the sender's communicator unusable): stop,
-                # say how to go on.
-                raise type(error)(f"{error} at step {step}; the run stopped. "
-                                  + resume_hint(cfg, run.run_dir)) from error
-            end_step(run, step, row, heldout)
+                # a receiver lost mid-broadcast leaves the sender's communicator unusable): a new
+                # learner group from the last checkpoint, or (no restarts left) stop and say how
+                # to go on.
+                step = recover_learner(run, step, error)
+                continue
             injected_fault(step, run.roles)
+            step += 1
     run.stop_batches()
 
 
@@ -105,6 +113,7 @@ def end_step(run: Run, step: int, row: Dict[str, object], heldout) -> None:
     run.version = row["policy_version"]
     for event in row.pop("restart_events"):
         run.say(restart_line(step, event))
+    samples = row.pop("samples")
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         row.update(periodic_eval(run, heldout))
     row["wall_seconds"] = time.time() - run.started  # since the job started: the gaps between steps show
@@ -113,6 +122,7 @@ def end_step(run: Run, step: int, row: Dict[str, object], heldout) -> None:
     if stopping or (cfg.trainer.save_every and (step % cfg.trainer.save_every == 0
                                                  or step == cfg.trainer.max_steps)):
         checkpoint(run, step)
+    run.samples.append(samples)  # the step is committed: logged, and checkpointed when due
     if stopping:
         raise Preempted(f"stopped by SIGTERM after step {step}, checkpointed; everything the run started "
                         f"has been stopped. " + resume_hint(cfg, run.run_dir))
@@ -131,13 +141,19 @@ def periodic_eval(run: Run, heldout) -> Dict[str, float]:
 
 
 def checkpoint(run: Run, step: int) -> None:
+    """Checkpoint `step`; in async mode with the batches made ahead of the learner (made by
+    older weights than the checkpoint's, so a resume trains on them instead of making them)."""
+    from cluster.batches import AHEAD_FILE, freeze
     from cluster.checkpoint import save_checkpoint
 
     cfg = run.cfg
+    started = time.perf_counter()
+    ahead, sampler = run.batches.ahead_state() if run.batches is not None else ([], run.sampler.state_dict())
     save_checkpoint(run.run_dir, step, run.roles.learner, {
-        "step": step, "policy_version": run.version, "sampler": run.batches.resume_state(),
+        "step": step, "policy_version": run.version, "sampler": sampler,
         "accuracy_before": run.accuracy_before, "seed": cfg.trainer.seed,
-    }, cfg.trainer.keep_checkpoints)
+    }, cfg.trainer.keep_checkpoints, extra={AHEAD_FILE: freeze(ahead)} if ahead else None)
+    run.checkpoint_seconds.append(time.perf_counter() - started)
 
 
 def finish(run: Run, heldout) -> Dict[str, object]:
@@ -164,6 +180,9 @@ def finish(run: Run, heldout) -> Dict[str, object]:
         "policy_version": run.version,
         "wall_minutes": (time.time() - run.started) / 60,
         "final_model": roles.learner.save_pretrained(str(run.run_dir / "final_model")),
+        "checkpoints": len(run.checkpoint_seconds),
+        "checkpoint_seconds": sum(run.checkpoint_seconds),
+        "learner_restarts": run.learner_restarts,
         **eval_metrics,
     }
     run.logger.summary(summary)

@@ -572,13 +572,24 @@ class TrainerConfig(Section):
     """Greedy held-out accuracy every N steps, as `heldout_accuracy` (0: only before and after GRPO)."""
     progress: bool = True
     """Show the terminal progress bar."""
-    save_every: int = 0
-    """Write a checkpoint every N GRPO steps and at the last one (0: never)."""
+    save_every: int = 10
+    """Write a checkpoint every N GRPO steps and at the last one (0: never). Every 10 steps a
+    save costs about 1% of the run time, for the default job and for a 100 M model alike (a
+    save takes a tenth of a step or less: docs/performance.md, "Checkpoint cost"), and a lost
+    learner rank or a killed driver repeats at most 9 steps. Raise it where one save takes
+    longer than half a step (a large model on fast GPUs with a slow shared file system)."""
     keep_checkpoints: int = 2
     """Newest complete checkpoints kept (0: all)."""
     resume: Optional[str] = None
     """`auto`: continue trainer.run_name from its newest complete checkpoint (start fresh if it
     has none); a checkpoint folder: continue from that one; None: a fresh run."""
+    max_restarts: int = 3
+    """Times the driver rebuilds a lost learner group by itself (new placement and ranks, the
+    newest complete checkpoint reloaded, every engine re-synced) before the run stops with the
+    line to resume; 0: stop at the first loss. A few, not unlimited: a rank lost again and
+    again (a model that does not fit, a bad node that keeps getting picked) should stop the
+    run rather than loop. With max_restarts > 0 the state after the warm-up is checkpointed
+    (step 0), so a loss before the first scheduled save has something to go back to."""
     stop_grace_s: int = 600
     """Seconds between SIGTERM and SIGKILL that `grpo submit` asks Ray for (the job's
     RAY_JOB_STOP_WAIT_TIME_S; Ray's own default is 3): on SIGTERM the run ends its step, writes
@@ -593,6 +604,7 @@ class TrainerConfig(Section):
         at_least("trainer.prompts_per_step", self.prompts_per_step, 1)
         at_least("trainer.save_every", self.save_every, 0)
         at_least("trainer.keep_checkpoints", self.keep_checkpoints, 0)
+        at_least("trainer.max_restarts", self.max_restarts, 0)
         at_least("trainer.stop_grace_s", self.stop_grace_s, 1)
         if self.resume == "auto" and not self.run_name:
             raise ConfigError("trainer.resume=auto needs trainer.run_name: the name of the run to continue")

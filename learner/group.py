@@ -20,6 +20,27 @@ def _get(refs, method: str):
         return ray.get(refs)
     except ray.exceptions.RayActorError as error:
         raise LearnerError(f"a learner rank died during {method} ({type(error).__name__})") from error
+    except ray.exceptions.RayTaskError:
+        # A rank whose peer died mid-collective fails itself (gloo: the connection closed), and
+        # that error can arrive before the dead rank's: the death is the cause to report.
+        died = _dead_rank(refs)
+        if died is None:
+            raise
+        raise LearnerError(f"a learner rank died during {method} ({type(died).__name__})") from died
+
+
+def _dead_rank(refs, wait_s: float = 10.0):
+    """The RayActorError of a rank that died, if one did (a dead actor's call fails within
+    moments; the wait is bounded for ranks still stuck in a collective)."""
+    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as error:
+            return error
+        except Exception:  # a rank that failed but lives, or is still waiting
+            continue
+    return None
 
 
 def _rendezvous_address():

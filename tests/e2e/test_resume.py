@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cluster.checkpoint import complete_checkpoints
+from cluster.samples import read as read_samples
 from helpers import small_overrides
 from helpers import GRPO, run
 
@@ -57,7 +58,9 @@ def runs(model_cache, tmp_path_factory):
     straight = run(GRPO, "train", *_args(model_cache, out, "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    killed = run(GRPO, "train", *_args(model_cache, out, "resumed"), env={"GRPO_FAULT": f"learner@{KILL_AFTER}"})
+    # trainer.max_restarts=0: the run stops at the loss instead of rebuilding the learner itself.
+    killed = run(GRPO, "train", *_args(model_cache, out, "resumed", "trainer.max_restarts=0"),
+                 env={"GRPO_FAULT": f"learner@{KILL_AFTER}"})
     assert killed.returncode == 1, (killed.returncode, killed.stderr[-3000:])
     checkpoints = out / "resumed" / "checkpoints"
     message = killed.stderr.strip().splitlines()[-1]
@@ -83,8 +86,20 @@ def test_resumed_run_matches_the_straight_run_line_for_line(runs):
     assert again == straight
     assert json.loads((out / "resumed" / "summary.json").read_text())["heldout_accuracy_after"] == \
         json.loads((out / "straight" / "summary.json").read_text())["heldout_accuracy_after"]
-    a, b = _weights(out / "straight" / "final_model"), _weights(out / "resumed" / "final_model")
+    _assert_same_weights(out / "straight", out / "resumed")
+    assert read_samples(out / "resumed") == read_samples(out / "straight")  # exactly once, same order
+
+
+def _assert_same_weights(run_a, run_b):
+    a, b = _weights(run_a / "final_model"), _weights(run_b / "final_model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _assert_each_sample_once(run_dir, steps):
+    samples = read_samples(run_dir)
+    assert [s[0] for s in samples] == sorted(s[0] for s in samples)  # step by step
+    assert {s[0] for s in samples} == set(range(1, steps + 1))
+    assert len(samples) == len(set(samples)) == steps * 8 * 4  # 8 prompts x 4 samples a step
 
 
 def test_only_the_newest_complete_checkpoints_are_kept_and_no_tmp_is_left(runs):
@@ -179,3 +194,79 @@ def test_resume_after_sigterm_continues_with_no_step_logged_twice(preempted):
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:06d}'} (step {step}," in resumed.stdout
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, PREEMPT_STEPS + 1))  # each step once, none lost
+    _assert_each_sample_once(run_dir, PREEMPT_STEPS)
+
+
+# --------------------------------------------------------------------------- learner recovery
+
+LOST_IN = 3  # the update of step 3: the newest checkpoint is step 2's
+
+
+@pytest.fixture(scope="module")
+def recovered(runs, model_cache):
+    """The straight run's settings with its last learner rank SIGKILLed during step 3's update
+    (trainer.max_restarts at its default): the run rebuilds the learner by itself."""
+    out = runs[0]
+    census = out / "census.json"
+    result = run(GRPO, "train", *_args(model_cache, out, "recovered"),
+                 env={"GRPO_FAULT": f"learner-update@{LOST_IN},census@{STEPS}", "GRPO_CENSUS_FILE": str(census)})
+    return out, result, json.loads(census.read_text())
+
+
+def test_a_learner_rank_lost_mid_update_is_rebuilt_and_the_run_equals_the_straight_one(recovered):
+    out, result, _ = recovered
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "learner rank" in line and " died " in line]
+    assert len(lines) == 1, result.stdout[-3000:]
+    assert f"step {LOST_IN}: learner rank 1 died" in lines[0] and "back in" in lines[0], lines[0]
+    assert f"rebuilt from step-{LOST_IN - 1:06d}, going on from step {LOST_IN}" in lines[0], lines[0]
+    assert [r["step"] for r in _metrics(out / "recovered")] == list(range(1, STEPS + 1))
+    assert _metrics(out / "recovered") == _metrics(out / "straight")
+    assert read_samples(out / "recovered") == read_samples(out / "straight")
+    _assert_same_weights(out / "straight", out / "recovered")
+    assert json.loads((out / "recovered" / "summary.json").read_text())["learner_restarts"] == 1
+
+
+def test_a_rebuilt_learner_leaves_no_placement_group_or_rank_behind(recovered):
+    _, _, census = recovered
+    learner_groups = [state for name, state in census["placement_groups"] if name == "grpo-learner"]
+    assert sorted(learner_groups) == ["CREATED", "REMOVED"]
+    assert all(state in ("CREATED", "REMOVED") for _, state in census["placement_groups"])
+    assert sorted(state for name, state in census["actors"] if name == "LearnerRank") == \
+        ["ALIVE", "ALIVE", "DEAD", "DEAD"]
+
+
+# --------------------------------------------------------------------------- async resume
+
+@pytest.fixture(scope="module")
+def async_runs(model_cache, tmp_path_factory):
+    """Async mode, checkpointed every 2 steps: straight, and a run whose learner loses a rank
+    during step 3's update (rebuilt from step 2, with step 3's batch made ahead by the weights
+    of step 1) and whose driver is then SIGKILLed after step 3, resumed with trainer.resume=auto."""
+    out = tmp_path_factory.mktemp("async")
+
+    def args(name, *extra):
+        return [a for a in _args(model_cache, out, name) if not a.startswith("trainer.save_every=")] + [
+            "trainer.mode=async", "trainer.save_every=2", *extra]
+
+    straight = run(GRPO, "train", *args("straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run(GRPO, "train", *args("resumed"), env={"GRPO_FAULT": "learner-update@3,driver@3"})
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
+    resumed = run(GRPO, "train", *args("resumed", "trainer.resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out, killed, resumed
+
+
+def test_async_resume_trains_the_saved_ahead_batch_sample_for_sample(async_runs):
+    out, killed, resumed = async_runs
+    assert "step 3: learner rank 1 died" in killed.stdout, killed.stdout[-3000:]
+    assert f"resumed from {out / 'resumed' / 'checkpoints' / 'step-000002'}" in resumed.stdout
+    straight = read_samples(out / "straight")
+    # Step 3 trains what the weights before step 2's update made, one version older than the
+    # checkpoint of step 2 holds: a resume that made it again would train other samples.
+    version_after = {row["step"]: row["policy_version"] for row in _metrics(out / "straight")}
+    assert {s[3] for s in straight if s[0] == 3} == {version_after[3] - 2}
+    assert read_samples(out / "resumed") == straight
+    assert _metrics(out / "resumed") == _metrics(out / "straight")
+    _assert_same_weights(out / "straight", out / "resumed")

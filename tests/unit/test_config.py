@@ -176,6 +176,7 @@ def test_resume_settings_are_checked_before_anything_starts(tmp_path):
     message = config_error(f"trainer.resume={tmp_path}")
     assert "not a complete checkpoint" in message and "trainer_state.json" in message
     assert "trainer.save_every" in config_error("trainer.save_every=-1")
+    assert "trainer.max_restarts" in config_error("trainer.max_restarts=-1")
     cfg = load_config(["trainer.resume=auto", "trainer.run_name=mine", "trainer.save_every=10"])
     assert cfg.trainer.resume == "auto" and cfg.trainer.save_every == 10
 
