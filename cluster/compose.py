@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from cluster.preflight import tiny_variant
 from common.config import Config, ConfigError
 
 __all__ = ["ConfigError", "compose_config", "load_config", "check_gpu_layout", "schema_keys"]
@@ -195,8 +196,7 @@ def _check_model(cfg: Config) -> None:
         return
     from learner.tiny_model import tiny_model_dir
 
-    tags = cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
-    built = tiny_model_dir(cfg.model, cfg.trainer.seed, tags)
+    built = tiny_model_dir(cfg.model, cfg.trainer.seed, **tiny_variant(cfg))
     if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():
         raise ConfigError(f"model.path='{cfg.model.path}' with model.name=tiny (the built-in model, built in "
                           "model.cache_dir): for your own model add model=hf, and a learning rate for it "

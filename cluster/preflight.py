@@ -39,13 +39,16 @@ def resolve_model(cfg: Config) -> str:
         return local if looks_local else path
     from learner.tiny_model import build_tiny_model
 
-    folder = build_tiny_model(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed, **tiny_variant(cfg))
     check_model_length(cfg, folder)
     return folder
 
 
-def _tool_tags(cfg: Config) -> bool:
-    return bool(cfg.rollout.episodes and cfg.rollout.tool_format == "tag")
+def tiny_variant(cfg: Config) -> Dict[str, bool]:
+    """Which built-in model a run uses: the tag tool format's tags as tokens for tag-format
+    episodes, the chat template with tools (learner/tiny_model.py) for agents."""
+    return {"tool_tags": bool(cfg.rollout.episodes and cfg.rollout.tool_format == "tag"),
+            "chat_tools": cfg.rollout.agent is not None}
 
 
 def is_built_in(cfg: Config) -> bool:
@@ -54,7 +57,7 @@ def is_built_in(cfg: Config) -> bool:
     from learner.tiny_model import tiny_model_dir
 
     return cfg.model.name == "tiny" and bool(cfg.model.path) and \
-        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
+        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **tiny_variant(cfg))
 
 
 def prepare_prompts(cfg: Config, heldout, train_set):
