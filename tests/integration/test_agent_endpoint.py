@@ -33,6 +33,20 @@ AGENTS = textwrap.dedent('''
         assert len(side.choices) == 2
         return reply.choices[0].message.content
 
+    def tools(client, row, index):
+        """A function tool: read tool_calls, send the result back as a tool message."""
+        spec = [{"type": "function", "function": {"name": "c", "parameters": {"type": "object", "properties": {}}}}]
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = client.chat.completions.create(model="m", messages=messages, tools=spec, max_tokens=60)
+        message = first.choices[0].message
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for c in message.tool_calls or []]
+        messages += [{"role": "assistant", "content": message.content, "tool_calls": calls}]
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": "12"} for c in calls]
+        second = client.chat.completions.create(model="m", messages=messages, tools=spec, max_tokens=8)
+        return json.dumps({"finish": first.choices[0].finish_reason, "calls": [c["function"] for c in calls],
+                           "final": second.choices[0].message.content})
+
     def raises(client, row, index):
         raise RuntimeError("the agent's own bug")
 
@@ -216,3 +230,88 @@ def test_hostile_agents_end_only_their_own_episode(worker):
     use_agent(worker, "chat")
     *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
     assert stats["agent_errors"] == 0 and stats["turns"] == 4
+
+
+# A small template of the Hermes kind (tool calls as <tool_call>{json}</tool_call>, results in a
+# tool turn) that lists no tools, so that a whole tool episode fits the fixture's short context.
+TOOL_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- for c in m['tool_calls'] %}{{- '<tool_call>{\"name\": \"' + c['function']['name'] + '\", \"arguments\": '"
+    " + c['function']['arguments'] | tojson + '}</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def memorized_weights(model_path: str, tokenizer, prompt: str, turns, steps: int = 300):
+    """The built-in model fitted to one episode (`turns`: (text, trained) pieces after the
+    prompt), so that its greedy turns write a tool call and an answer; returns its weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for text, trained in turns:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + piece, mask + [int(trained)] * len(piece)
+    x, m = torch.tensor([ids]), torch.tensor(mask[1:], dtype=torch.bool)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model(x).logits[0, :-1]
+        loss = torch.nn.functional.cross_entropy(logits[m], x[0, 1:][m])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def load_weights(worker, weights: dict) -> None:
+    items = list(weights.items())
+    worker.llm.collective_rpc(lambda self: self.reload_weights(weights_iterator=iter(items),
+                                                               is_checkpoint_format=True))
+    worker.llm.reset_prefix_cache()
+
+
+def test_a_chat_completion_with_tools_round_trips_token_faithfully(worker, system_cfg):
+    import json
+
+    from safetensors.torch import load_file
+
+    worker, tap = worker
+    use_agent(worker, "tools")
+    tokenizer, original_template, original_cfg = worker.tokenizer, worker.tokenizer.chat_template, worker.cfg
+    tokenizer.chat_template = TOOL_TEMPLATE
+    user = [{"role": "user", "content": "3*4="}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "c", "arguments": {}}}]}
+    prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    called = tokenizer.apply_chat_template(user + [call], tokenize=False)
+    answered = tokenizer.apply_chat_template(user + [call, {"role": "tool", "content": "12"}], tokenize=False,
+                                             add_generation_prompt=True)
+    turn = called[len(prompt):called.rindex("<|im_end|>") + len("<|im_end|>")]
+    episode = [(turn, True), (answered[len(prompt) + len(turn):], False), ("12<|im_end|>", True)]
+    weights = memorized_weights(system_cfg.model.path, tokenizer, prompt, episode)
+    worker.cfg = replace(original_cfg, max_episode_tokens=100)  # the call alone is ~50 byte tokens
+    try:
+        load_weights(worker, weights)
+        before = set(tap.prompts)
+        *groups, stats = worker.generate((0, "3*4=", "12", {}), n=1, greedy=True, seeds=[0])
+    finally:
+        worker.cfg, tokenizer.chat_template = original_cfg, original_template
+        load_weights(worker, load_file(os.path.join(system_cfg.model.path, "model.safetensors")))
+    assert stats["agent_errors"] == 0, stats.get("first_agent_error")
+    result = json.loads(groups[0].completions[0])
+    assert result == {"finish": "tool_calls", "calls": [{"name": "c", "arguments": "{}"}], "final": "12"}
+    assert stats["turns"] == 2 and stats["off_chain_calls"] == 0 and stats["template_drift"] == 0
+    # The session is the second request's prompt (the first's prompt, its sampled call, the
+    # template's tool turn) followed by what that request sampled, and only sampled ids train.
+    (first_prompt, first_sampled), (second_prompt, second_sampled) = chains(tap, before)
+    sequence = groups[0].prompt_ids + groups[0].completion_ids[0]
+    assert second_prompt[:len(first_prompt) + len(first_sampled[0])] == first_prompt + first_sampled[0]
+    assert sequence == second_prompt + second_sampled[0]
+    trained = [t for t, m in zip(groups[0].completion_ids[0], groups[0].loss_masks[0]) if m]
+    assert trained == first_sampled[0] + second_sampled[0]
