@@ -13,7 +13,6 @@ from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from cluster.preflight import tiny_variant
 from common.config import Config, ConfigError
 
 __all__ = ["ConfigError", "compose_config", "load_config", "check_gpu_layout", "schema_keys"]
@@ -194,9 +193,9 @@ def _check_model(cfg: Config) -> None:
     hub id would run as `tiny` (no chat template by name, the tiny model's learning rate)."""
     if cfg.model.name != "tiny" or not cfg.model.path:
         return
-    from learner.tiny_model import tiny_model_dir
+    from learner.tiny_model import tiny_model_dir, variant
 
-    built = tiny_model_dir(cfg.model, cfg.trainer.seed, **tiny_variant(cfg))
+    built = tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():
         raise ConfigError(f"model.path='{cfg.model.path}' with model.name=tiny (the built-in model, built in "
                           "model.cache_dir): for your own model add model=hf, and a learning rate for it "

@@ -37,27 +37,20 @@ def resolve_model(cfg: Config) -> str:
         if looks_local:
             check_model_length(cfg, local)
         return local if looks_local else path
-    from learner.tiny_model import build_tiny_model
+    from learner.tiny_model import build_tiny_model, variant
 
-    folder = build_tiny_model(cfg.model, cfg.trainer.seed, **tiny_variant(cfg))
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     check_model_length(cfg, folder)
     return folder
-
-
-def tiny_variant(cfg: Config) -> Dict[str, bool]:
-    """Which built-in model a run uses: the tag tool format's tags as tokens for tag-format
-    episodes, the chat template with tools (learner/tiny_model.py) for agents."""
-    return {"tool_tags": bool(cfg.rollout.episodes and cfg.rollout.tool_format == "tag"),
-            "chat_tools": cfg.rollout.agent is not None}
 
 
 def is_built_in(cfg: Config) -> bool:
     """Whether `model.path` (once resolved) is the built-in model's folder, written by this
     project's builder for this config, rather than a folder or hub id the user named."""
-    from learner.tiny_model import tiny_model_dir
+    from learner.tiny_model import tiny_model_dir, variant
 
     return cfg.model.name == "tiny" and bool(cfg.model.path) and \
-        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **tiny_variant(cfg))
+        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
 
 
 def prepare_prompts(cfg: Config, heldout, train_set):

@@ -91,6 +91,14 @@ def _tags(tool_tags: bool, chat_tools: bool) -> list:
     return TAGS + (TOOL_TAGS if tool_tags else []) + (CHAT_TOOL_TAGS if chat_tools else [])
 
 
+def variant(rollout_cfg) -> dict:
+    """Which built-in model a run uses (the keywords of tiny_model_dir and build_tiny_model): the
+    tag tool format's tags as tokens for tag-format episodes, the chat template with tools for
+    agents (rollout.agent)."""
+    return {"tool_tags": bool(rollout_cfg.episodes and rollout_cfg.tool_format == "tag"),
+            "chat_tools": rollout_cfg.agent is not None}
+
+
 def _vocab_size(tokenizer) -> int:
     return (len(tokenizer) + 15) // 16 * 16  # padded for friendlier kernels; extra rows unused
 

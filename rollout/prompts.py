@@ -184,7 +184,8 @@ def prepare_for_agent(data_cfg, model_path: str, model_name: str, splits: Dict[s
                                                   add_generation_prompt=True)
             solution = p.solution
             if calculator and p.fields.get("expression"):
-                solution = agent_calculator_trace(tokenizer, messages, tools, p.fields["expression"], p.answer)
+                solution = agent_calculator_trace(tokenizer, messages, tools, p.fields["expression"], p.answer,
+                                                  END_OF_TURN)
             user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
             out.append(replace(p, prompt=user, solution=solution, warmup_prompt=shown,
                                fields={**p.fields, "messages": messages}))

@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import List, Sequence, Tuple
 
 from rollout.datasets import Problem
-from rollout.prompts import END_OF_TURN
 from rollout.tools import calculator
 
 Trace = Tuple[Tuple[str, bool], ...]
@@ -34,11 +33,12 @@ def with_tool_traces(problems: Sequence[Problem], fmt, tools: Sequence[str]) -> 
             if p.fields.get("expression") else p for p in problems]
 
 
-def agent_calculator_trace(tokenizer, messages: List[dict], tools: List[dict], expression: str, answer: str) -> Trace:
+def agent_calculator_trace(tokenizer, messages: List[dict], tools: List[dict], expression: str, answer: str,
+                           turn_ends: Sequence[str] = ()) -> Trace:
     """The same episode as an agent writes it through the endpoint, in the chat template's own
     tool-calling format: the assistant's turn with a calculator call (trained, up to and with its
-    end-of-turn token), the template's tool turn with the result and the next assistant header
-    (not trained: the endpoint appends it), then `<answer>...</answer>` (trained). Each piece is
+    end-of-turn token, the first of `turn_ends` found), the template's tool turn with the result
+    and the next assistant header (not trained: the endpoint appends it), then `<answer>...</answer>` (trained). Each piece is
     cut from the template's renderings of the growing conversation, so it is exactly what the
     endpoint puts in the session (rollout/sessions.py)."""
     call = {"role": "assistant", "content": "",
@@ -55,7 +55,7 @@ def agent_calculator_trace(tokenizer, messages: List[dict], tools: List[dict], e
     if not (called.startswith(prompt) and answered.startswith(called[:len(prompt)])):
         raise ValueError("the chat template does not render a tool call after the prompt it rendered")
     turn = called[len(prompt):]
-    ends = [token for token in END_OF_TURN if token in turn]
+    ends = [token for token in turn_ends if token in turn]
     if ends:
         turn = turn[:turn.rfind(ends[0]) + len(ends[0])]
     if not answered.startswith(prompt + turn):

@@ -54,7 +54,7 @@ def test_warm_up_traces_are_the_ids_the_endpoint_stores_for_the_same_episode(tok
     from rollout.traces import agent_calculator_trace
 
     agent, user = _agent(), [{"role": "user", "content": "8253*2020="}]
-    trace = agent_calculator_trace(tokenizer, user, agent.TOOLS, "8253*2020", "16671060")
+    trace = agent_calculator_trace(tokenizer, user, agent.TOOLS, "8253*2020", "16671060", ["<|im_end|>"])
     pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] for text, _ in trace]
     assert [trained for _, trained in trace] == [True, False, True]
     assert "16671060" in trace[1][0] and trace[2][0] == "<answer>16671060</answer>"
