@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import pickle
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
+
+from cluster.preflight import say
 
 
 class Timer:
@@ -71,7 +75,8 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     totals: Dict[str, Any] = {}
     restarts: List[dict] = []
     gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
-                                    **{key: 0.0 for key in TOOL_STATS}}
+                                    **{key: 0.0 for key in TOOL_STATS},
+                                    **({key: 0.0 for key in AGENT_STATS} if cfg.rollout.agent is not None else {})}
     for round_ in range(rounds):
         batch = items if items is not None else sampler.next_batch(size - len(kept))
         # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
@@ -82,6 +87,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         gen["rollout_actor_restarts"] = gen.get("actor_restarts", 0.0)
         restarts += gen.get("restart_events", [])
         gen_totals = {k: gen_totals[k] + gen.get(k, 0.0) for k in gen_totals}
+        keep_agent_records(cfg, step, gen)
         rows = list(zip(scored, batch, gen["per_item/policy_version"], informative))
         if not cfg.algo.dynamic_sampling or items is not None:
             kept = rows
@@ -102,6 +108,25 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
 
 TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_wait_seconds",
               "observation_tokens")
+
+
+AGENT_STATS = ("agent_errors", "agent_timeouts", "template_drift", "off_chain_calls", "agent_requests",
+               "agent_rejected")
+DRIFT_FILE = "template_drift.json"
+
+
+def keep_agent_records(cfg, step: int, gen: Dict[str, Any]) -> None:
+    """An agent run's records of a batch: the first session whose chat template's rendering of
+    its history left the sampled ids is saved once in the run folder (DRIFT_FILE), the first
+    agent failure of a step is printed."""
+    drift = gen.pop("first_drift", None)
+    error = gen.pop("first_agent_error", None)
+    if error is not None:
+        failed = gen.get("agent_errors", 0.0) + gen.get("agent_timeouts", 0.0)
+        say(f"step {step}: {failed:g} agent episodes failed (scored 0); the first: {error}")
+    path = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name / DRIFT_FILE
+    if drift is not None and not path.exists():
+        path.write_text(json.dumps({"step": step, **drift}, indent=1) + "\n")
 
 
 def episode_metrics(totals: Dict[str, float]) -> Dict[str, float]:

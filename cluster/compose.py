@@ -196,10 +196,9 @@ def _check_model(cfg: Config) -> None:
     hub id would run as `tiny` (no chat template by name, the tiny model's learning rate)."""
     if cfg.model.name != "tiny" or not cfg.model.path:
         return
-    from learner.tiny_model import tiny_model_dir
+    from learner.tiny_model import tiny_model_dir, variant
 
-    tags = cfg.rollout.episodes and cfg.rollout.tool_format == "tag"
-    built = tiny_model_dir(cfg.model, cfg.trainer.seed, tags)
+    built = tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():
         raise ConfigError(f"model.path='{cfg.model.path}' with model.name=tiny (the built-in model, built in "
                           "model.cache_dir): for your own model add model=hf, and a learning rate for it "

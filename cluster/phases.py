@@ -24,7 +24,7 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
     import ray
 
     w = cfg.warmup
-    examples = [(p.prompt, p.solution) for p in train_set if p.solution]
+    examples = [(p.warmup_prompt or p.prompt, p.solution) for p in train_set if p.solution]
     version = 0
     if w.steps and examples:
         roles.learner.call("load_warmup", ray.put(examples), end_ids)

@@ -38,25 +38,21 @@ def resolve_model(cfg: Config) -> str:
             check_model_length(cfg, local)
             check_lora_targets(cfg, local)
         return local if looks_local else path
-    from learner.tiny_model import build_tiny_model
+    from learner.tiny_model import build_tiny_model, variant
 
-    folder = build_tiny_model(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
+    folder = build_tiny_model(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     check_model_length(cfg, folder)
     check_lora_targets(cfg, folder)
     return folder
 
 
-def _tool_tags(cfg: Config) -> bool:
-    return bool(cfg.rollout.episodes and cfg.rollout.tool_format == "tag")
-
-
 def is_built_in(cfg: Config) -> bool:
     """Whether `model.path` (once resolved) is the built-in model's folder, written by this
     project's builder for this config, rather than a folder or hub id the user named."""
-    from learner.tiny_model import tiny_model_dir
+    from learner.tiny_model import tiny_model_dir, variant
 
     return cfg.model.name == "tiny" and bool(cfg.model.path) and \
-        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, _tool_tags(cfg))
+        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
 
 
 def prepare_prompts(cfg: Config, heldout, train_set):

@@ -99,8 +99,10 @@ def add_stats(total: Dict[str, Any], stats: Dict[str, Any], positions: Sequence[
             column = total.setdefault(key, [None] * n)
             for i, v in zip(positions, value):
                 column[i] = v
-        else:
+        elif isinstance(value, (int, float)):
             total[key] = total.get(key, 0.0) + value
+        else:  # a record (an agent's first error, a session's first drift): the first chunk's is kept
+            total.setdefault(key, value)
 
 
 def as_list(refs) -> List[ray.ObjectRef]:

@@ -32,9 +32,45 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '" + TURN_START + "assistant\n' }}{%- endif %}"
 )
+# The model built for agent runs (rollout.agent) also speaks Qwen2.5's tool-calling format: the
+# tools listed in the system turn inside <tools></tools> (one JSON schema a line, without Qwen's
+# paragraph of instructions, which a byte-level model would pay for in every prompt), calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> in the assistant's turn, results as
+# <tool_response>...</tool_response> in a user turn. Its tags are single ordinary tokens, as the
+# R1 tags are. Without tools and tool messages it renders exactly as CHAT_TEMPLATE.
+CHAT_TOOL_TAGS = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '" + TURN_START + "system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n' }}{%- endif %}"
+    "{{- '<tools>' }}{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>" + TURN_END + "\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '" + TURN_START + "user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '" + TURN_END + "\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '" + TURN_START + "assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '" + TURN_END + "\n' }}"
+    "{%- else %}"
+    "{{- '" + TURN_START + "' + message['role'] + '\n' + message['content'] + '" + TURN_END + "\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '" + TURN_START + "assistant\n' }}{%- endif %}"
+)
 
 
-def build_tokenizer(tool_tags: bool = False):
+def build_tokenizer(tool_tags: bool = False, chat_tools: bool = False):
     from tokenizers import AddedToken, pre_tokenizers
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
@@ -44,24 +80,36 @@ def build_tokenizer(tool_tags: bool = False):
         vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>",
         model_max_length=4096,
     )
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS + (TOOL_TAGS if tool_tags else [])])
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in _tags(tool_tags, chat_tools)])
     tokenizer.add_special_tokens({"additional_special_tokens": [
         AddedToken(t, special=True, normalized=False) for t in (TURN_START, TURN_END)]})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE if chat_tools else CHAT_TEMPLATE
     return tokenizer
+
+
+def _tags(tool_tags: bool, chat_tools: bool) -> list:
+    return TAGS + (TOOL_TAGS if tool_tags else []) + (CHAT_TOOL_TAGS if chat_tools else [])
+
+
+def variant(rollout_cfg) -> dict:
+    """Which built-in model a run uses (the keywords of tiny_model_dir and build_tiny_model): the
+    tag tool format's tags as tokens for tag-format episodes, the chat template with tools for
+    agents (rollout.agent)."""
+    return {"tool_tags": bool(rollout_cfg.episodes and rollout_cfg.tool_format == "tag"),
+            "chat_tools": rollout_cfg.agent is not None}
 
 
 def _vocab_size(tokenizer) -> int:
     return (len(tokenizer) + 15) // 16 * 16  # padded for friendlier kernels; extra rows unused
 
 
-def tiny_model_dir(model_cfg, seed: int, tool_tags: bool = False) -> Path:
+def tiny_model_dir(model_cfg, seed: int, tool_tags: bool = False, chat_tools: bool = False) -> Path:
     spec = {
         "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
         "num_heads": model_cfg.num_heads, "intermediate_size": model_cfg.intermediate_size,
         "max_position_embeddings": model_cfg.max_position_embeddings,
-        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": TAGS + (TOOL_TAGS if tool_tags else []), "seed": seed,
-        "chat": CHAT_TEMPLATE,
+        "tie_word_embeddings": model_cfg.tie_word_embeddings, "tags": _tags(tool_tags, chat_tools), "seed": seed,
+        "chat": TOOL_CHAT_TEMPLATE if chat_tools else CHAT_TEMPLATE,
     }
     if model_cfg.vocab_size:  # only when set: folders built before the option keep their names
         spec["vocab_size"] = model_cfg.vocab_size
@@ -69,9 +117,10 @@ def tiny_model_dir(model_cfg, seed: int, tool_tags: bool = False) -> Path:
     return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-qwen2-{digest}"
 
 
-def build_tiny_model(model_cfg, seed: int = 0, tool_tags: bool = False) -> str:
-    """Build (once) and return the folder of the built-in model."""
-    folder = tiny_model_dir(model_cfg, seed, tool_tags)
+def build_tiny_model(model_cfg, seed: int = 0, tool_tags: bool = False, chat_tools: bool = False) -> str:
+    """Build (once) and return the folder of the built-in model (`tool_tags`: the tag tool
+    format's tags as tokens; `chat_tools`: the variant for agents, CHAT_TOOL_TAGS and its template)."""
+    folder = tiny_model_dir(model_cfg, seed, tool_tags, chat_tools)
     if (folder / "config.json").exists():
         return str(folder)
     import torch
@@ -80,7 +129,7 @@ def build_tiny_model(model_cfg, seed: int = 0, tool_tags: bool = False) -> str:
 
     hf_logging.disable_progress_bar()  # a one-time build needs no progress bar in the CLI's output
 
-    tokenizer = build_tokenizer(tool_tags)
+    tokenizer = build_tokenizer(tool_tags, chat_tools)
     config = Qwen2Config(
         vocab_size=max(model_cfg.vocab_size, _vocab_size(tokenizer)),
         hidden_size=model_cfg.hidden_size,

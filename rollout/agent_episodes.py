@@ -49,8 +49,10 @@ def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, gr
         stats["first_agent_error"] = error
     drift = next((s.drift for s in sessions if s.drift is not None), None)
     if drift is not None:
+        decode = lambda ids: worker.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         stats["first_drift"] = {"turn": drift.turn, "position": drift.position, "stored": drift.stored,
-                                "rendered": drift.rendered}
+                                "rendered": drift.rendered, "stored_text": decode(drift.stored),
+                                "rendered_text": decode(drift.rendered)}
     return (*groups, stats)
 
 

@@ -51,6 +51,9 @@ class Problem:
     messages: Optional[Tuple[Tuple[str, str], ...]] = None
     """A conversational row's (role, content) messages; `prompt` is then its last user
     message until rollout/prompts.py renders the row into the text the model sees."""
+    warmup_prompt: Optional[str] = None
+    """The text the warm-up trains after, when it is not `prompt`: in agent runs the agent gets
+    the conversation and the endpoint renders it, so the warm-up takes that rendering."""
 
 
 class Splits(NamedTuple):

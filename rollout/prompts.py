@@ -74,14 +74,7 @@ def use_chat_template(setting: str, has_template: bool, conversational: bool, sy
 def render(problem: Problem, where: str, template: Optional[str], system_prompt: Optional[str], chat: bool,
            tokenizer, prompt_key: str = "prompt", tools: Optional[list] = None) -> str:
     """The text the model sees for one row."""
-    if problem.messages is not None:
-        messages = list(problem.messages)
-        last_user = max(i for i, (role, _) in enumerate(messages) if role == "user")
-        messages[last_user] = ("user", fill(template, messages[last_user][1], problem.fields, where, prompt_key))
-    else:
-        messages = [("user", fill(template, problem.prompt, problem.fields, where, prompt_key))]
-    if system_prompt and not any(role == "system" for role, _ in messages):
-        messages.insert(0, ("system", system_prompt))
+    messages = _messages(problem, where, template, system_prompt, prompt_key)
     if not chat:
         return "\n\n".join(content for _, content in messages)
     extra = {"tools": tools} if tools else {}  # the template lists them in its system turn
@@ -140,6 +133,8 @@ def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequen
     chat template lists the tools, and warm-up targets become tool-using traces. `built_in`: the
     folder is the built-in model's (see load_tokenizer)."""
     tokenizer = load_tokenizer(model_path, built_in)
+    if rollout_cfg is not None and rollout_cfg.agent is not None:
+        return prepare_for_agent(data_cfg, model_path, model_name, splits, rollout_cfg, tokenizer)
     conversational = any(p.messages is not None for rows in splits.values() for p in rows)
     chat = use_chat_template(data_cfg.chat_template, bool(getattr(tokenizer, "chat_template", None)),
                              conversational, data_cfg.system_prompt, model_name)
@@ -161,6 +156,69 @@ def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequen
                       "turn_end_ids": turn_end or None,
                       "stop_tokens": tokenizer.convert_ids_to_tokens(stops), "longest_prompt": longest,
                       "tools": _tools_note(rollout_cfg, fmt)}
+
+
+def prepare_for_agent(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequence[Problem]],
+                      rollout_cfg, tokenizer) -> Tuple[Dict[str, List[Problem]], Dict[str, Any]]:
+    """`prepare` for an agent run. The agent gets each row's conversation (row field `messages`:
+    the system prompt and the prompt template applied; `prompt` is its last user message) and the
+    endpoint renders what the agent sends with the chat template, so the model needs one. The
+    warm-up trains after that same rendering, with the tools the agent function lists in its
+    `tools` attribute (what it sends as `tools=`); with the calculator among them, the built-in
+    multiplication rows get warm-up traces that call it in the template's format."""
+    from common.plugins import load_function
+    from rollout.traces import agent_calculator_trace
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"rollout.agent: the tokenizer of {model_name} has no chat template, which the endpoint "
+                        "renders the agent's messages with")
+    tools = list(getattr(load_function(rollout_cfg.agent, [str(Path.cwd())]), "tools", None) or [])
+    calculator = any(t.get("function", {}).get("name") == "calculator" for t in tools if isinstance(t, dict))
+    rendered: Dict[str, List[Problem]] = {}
+    for name, rows in splits.items():
+        out = []
+        for i, p in enumerate(rows, start=1):
+            messages = [{"role": r, "content": c} for r, c in _messages(
+                p, f"{name} row {i}", data_cfg.prompt_template, data_cfg.system_prompt, data_cfg.prompt_key)]
+            shown = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
+            solution = p.solution
+            if calculator and p.fields.get("expression"):
+                solution = agent_calculator_trace(tokenizer, messages, tools, p.fields["expression"], p.answer,
+                                                  END_OF_TURN)
+            user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+            out.append(replace(p, prompt=user, solution=solution, warmup_prompt=shown,
+                               fields={**p.fields, "messages": messages}))
+        rendered[name] = out
+    stops = stop_token_ids(model_path, tokenizer, True)
+    vocab = tokenizer.get_vocab()
+    longest = max(((len(tokenizer(p.warmup_prompt)["input_ids"]), f"{name} row {i}")
+                   for name, rows in rendered.items() for i, p in enumerate(rows, start=1)), default=(0, ""))
+    first = next((rows[0].warmup_prompt for rows in rendered.values() if rows), "")
+    turn_end = [vocab[t] for t in END_OF_TURN if t in vocab][:1]
+    note = f"agent: {rollout_cfg.agent}" + (f", tools {', '.join(_tool_names(tools))}" if tools else "")
+    return rendered, {"chat_template": True, "first_prompt": first, "stop_token_ids": stops,
+                      "turn_end_ids": turn_end or None, "stop_tokens": tokenizer.convert_ids_to_tokens(stops),
+                      "longest_prompt": longest, "tools": note}
+
+
+def _messages(problem: Problem, where: str, template: Optional[str], system_prompt: Optional[str],
+              prompt_key: str) -> List[Tuple[str, str]]:
+    """A row's (role, content) messages: the prompt template on the last user message, the
+    system prompt first."""
+    if problem.messages is not None:
+        messages = list(problem.messages)
+        last_user = max(i for i, (role, _) in enumerate(messages) if role == "user")
+        messages[last_user] = ("user", fill(template, messages[last_user][1], problem.fields, where, prompt_key))
+    else:
+        messages = [("user", fill(template, problem.prompt, problem.fields, where, prompt_key))]
+    if system_prompt and not any(role == "system" for role, _ in messages):
+        messages.insert(0, ("system", system_prompt))
+    return messages
+
+
+def _tool_names(tools: List[dict]) -> List[str]:
+    return [str(t.get("function", {}).get("name", "?")) for t in tools if isinstance(t, dict)]
 
 
 def _tools_note(rollout_cfg, fmt) -> Optional[str]:

@@ -31,3 +31,33 @@ def with_tool_traces(problems: Sequence[Problem], fmt, tools: Sequence[str]) -> 
         return list(problems)
     return [replace(p, solution=calculator_trace(fmt, p.fields["expression"], p.answer))
             if p.fields.get("expression") else p for p in problems]
+
+
+def agent_calculator_trace(tokenizer, messages: List[dict], tools: List[dict], expression: str, answer: str,
+                           turn_ends: Sequence[str] = ()) -> Trace:
+    """The same episode as an agent writes it through the endpoint, in the chat template's own
+    tool-calling format: the assistant's turn with a calculator call (trained, up to and with its
+    end-of-turn token, the first of `turn_ends` found), the template's tool turn with the result
+    and the next assistant header (not trained: the endpoint appends it), then `<answer>...</answer>` (trained). Each piece is
+    cut from the template's renderings of the growing conversation, so it is exactly what the
+    endpoint puts in the session (rollout/sessions.py)."""
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                             "arguments": {"expression": expression}}}]}
+    result = {"role": "tool", "content": calculator(expression)}
+
+    def text(conversation: List[dict], generation: bool) -> str:
+        return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation)
+
+    prompt, called, answered = text(messages, True), text(messages + [call], False), text(messages + [call, result],
+                                                                                         True)
+    if not (called.startswith(prompt) and answered.startswith(called[:len(prompt)])):
+        raise ValueError("the chat template does not render a tool call after the prompt it rendered")
+    turn = called[len(prompt):]
+    ends = [token for token in turn_ends if token in turn]
+    if ends:
+        turn = turn[:turn.rfind(ends[0]) + len(ends[0])]
+    if not answered.startswith(prompt + turn):
+        raise ValueError("the chat template renders a tool result that changes the call before it")
+    return ((turn, True), (answered[len(prompt) + len(turn):], False), (f"<answer>{answer}</answer>", True))

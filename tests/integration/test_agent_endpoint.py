@@ -33,6 +33,20 @@ AGENTS = textwrap.dedent('''
         assert len(side.choices) == 2
         return reply.choices[0].message.content
 
+    def tools(client, row, index):
+        """A function tool: read tool_calls, send the result back as a tool message."""
+        spec = [{"type": "function", "function": {"name": "c", "parameters": {"type": "object", "properties": {}}}}]
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = client.chat.completions.create(model="m", messages=messages, tools=spec, max_tokens=60)
+        message = first.choices[0].message
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for c in message.tool_calls or []]
+        messages += [{"role": "assistant", "content": message.content, "tool_calls": calls}]
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": "12"} for c in calls]
+        second = client.chat.completions.create(model="m", messages=messages, tools=spec, max_tokens=8)
+        return json.dumps({"finish": first.choices[0].finish_reason, "calls": [c["function"] for c in calls],
+                           "final": second.choices[0].message.content})
+
     def raises(client, row, index):
         raise RuntimeError("the agent's own bug")
 
@@ -216,3 +230,4 @@ def test_hostile_agents_end_only_their_own_episode(worker):
     use_agent(worker, "chat")
     *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
     assert stats["agent_errors"] == 0 and stats["turns"] == 4
+

@@ -1,0 +1,1 @@
+"""Worked examples (importable as `examples.NAME` from the repository root)."""
