@@ -27,7 +27,7 @@ demo: install
 	$(BIN)/grpo train $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
 
 # The unit tier alone (pure logic, under a minute): for quick checks while editing.
 test-unit: install
