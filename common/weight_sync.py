@@ -183,11 +183,52 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        # NCCL's watchdog tears the whole process down when a collective outlives the timeout
+        # (TORCH_NCCL_ASYNC_ERROR_HANDLING's default): learner rank 0 and its ZeRO shard would go
+        # with it. CleanUpOnly (2) aborts this group's communicator and raises in the waiting
+        # call instead, as gloo does. Read when the group is built: the learner's own training
+        # group keeps its setting.
+        with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):
+            group = dist.ProcessGroupNCCL(store, rank, world_size, options)
         return SyncGroup(store=store, group=group, device=f"cuda:{torch.cuda.current_device()}")
     if backend != "gloo":
         raise ValueError(f"weight sync backend must be nccl or gloo, got {backend!r}")
     return SyncGroup(store=store, group=dist.ProcessGroupGloo(store, rank, world_size, timeout), device="cpu")
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+class PushClock:
+    """Seconds of a push from its start. With NCCL the bytes move on the GPU's streams, so the
+    clock is a pair of CUDA events recorded on the current stream (after every broadcast's
+    `wait()` orders it behind them), read once the end event completed; otherwise the host's
+    clock."""
+
+    def __init__(self, sync_group: Optional[SyncGroup]):
+        self.cuda = sync_group is not None and sync_group.device.startswith("cuda")
+        self.started = time.perf_counter()
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.started
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.start_event.elapsed_time(end) / 1000.0
 
 
 def start_broadcast(sync_group: SyncGroup, tensor: torch.Tensor):

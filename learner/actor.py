@@ -281,7 +281,7 @@ class LearnerRank:
         # The merged push: each adapted weight is sent as W + scale B A, computed per bucket.
         pairs = (engines.lora_pairs(self.engine.module)
                  if self.lora and part == "policy" and self.cfg.lora.push == "merged" else {})
-        start = time.perf_counter()
+        clock = weight_sync.PushClock(self.sync_group if self.rank == 0 else None)
         gathered_max, pack_s = 0, 0.0
         # Shared memory: the buckets are written into the file and only their numbers travel.
         views = weight_sync.shm_buckets(spec) if spec.shm_path and self.rank == 0 else None
@@ -308,7 +308,7 @@ class LearnerRank:
             in_flight[1].wait()
         if self.rank == 0:
             weight_sync.settle(self.sync_group)
-        seconds = time.perf_counter() - start
+        seconds = clock.seconds()
         return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
                 "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9,
                 "sync_pack_seconds": pack_s, "sync_gathered_max_mb": gathered_max / 2**20}
