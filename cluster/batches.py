@@ -124,8 +124,10 @@ def keep_agent_records(cfg, step: int, gen: Dict[str, Any]) -> None:
     if error is not None:
         failed = gen.get("agent_errors", 0.0) + gen.get("agent_timeouts", 0.0)
         say(f"step {step}: {failed:g} agent episodes failed (scored 0); the first: {error}")
+    if drift is None or cfg.trainer.run_name is None:  # no drift, or no run folder (roles driven directly)
+        return
     path = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name / DRIFT_FILE
-    if drift is not None and not path.exists():
+    if not path.exists():
         path.write_text(json.dumps({"step": step, **drift}, indent=1) + "\n")
 
 

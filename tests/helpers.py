@@ -99,3 +99,25 @@ def compiled_graphs():
         return counters["stats"]["unique_graphs"]
 
     return count
+
+
+class EngineTap:
+    """A vLLM engine with a record of each request's prompt ids and, once it finished, the ids of
+    each of its samples (a tap, not a mock: every call goes to the real engine)."""
+
+    def __init__(self, engine):
+        self.engine, self.prompts, self.sampled = engine, {}, {}
+
+    def add_request(self, request_id, prompt, params):
+        self.prompts[request_id] = list(prompt["prompt_token_ids"])
+        return self.engine.add_request(request_id, prompt, params)
+
+    def step(self):
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.finished:
+                self.sampled[out.request_id] = [list(c.token_ids) for c in out.outputs]
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

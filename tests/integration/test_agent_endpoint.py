@@ -14,6 +14,8 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import EngineTap
+
 AGENTS = textwrap.dedent('''
     import json, time, urllib.request
 
@@ -102,7 +104,7 @@ def worker(system_cfg, tmp_path_factory):
         worker = GenerationWorker(system_cfg.model.path, cfg, seed=0)
     finally:
         os.chdir(cwd)
-    tap = Tap(worker.llm.llm_engine)
+    tap = EngineTap(worker.llm.llm_engine)
     worker.llm.llm_engine = tap
     yield worker, tap
     worker.agents.close()
@@ -112,28 +114,6 @@ def worker(system_cfg, tmp_path_factory):
     torch._dynamo.config.disable = False
     for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
         os.environ.pop(name, None)
-
-
-class Tap:
-    """The engine, with a record of each request's prompt ids and sampled ids (every call goes to
-    the real engine)."""
-
-    def __init__(self, engine):
-        self.engine, self.prompts, self.sampled = engine, {}, {}
-
-    def add_request(self, request_id, prompt, params):
-        self.prompts[request_id] = list(prompt["prompt_token_ids"])
-        return self.engine.add_request(request_id, prompt, params)
-
-    def step(self):
-        outs = self.engine.step()
-        for out in outs:
-            if out.finished:
-                self.sampled[out.request_id] = [list(c.token_ids) for c in out.outputs]
-        return outs
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 def use_agent(worker, name: str, timeout_s: float = 20.0):

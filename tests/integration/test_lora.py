@@ -171,4 +171,8 @@ def test_lora_resume_is_bit_exact(learners, system_cfg, tmp_path):
     assert (tmp_path / "base.pt").is_file() and (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert not (tmp_path / "reference.pt").exists()
     saved = torch.load(next((tmp_path / "learner" / "ds").glob("mp_rank_00_model_states.pt")), weights_only=False)
-    assert saved["module"] and all(engines.LORA_MARK in k for k in saved["module"]), "frozen weights saved"
+    # Adapters only, but for the tied output head: DeepSpeed drops frozen parameters by their
+    # named_parameters() names, which list a tied weight once (as the embedding), so the head's
+    # alias stays in the file (a duplicate of base.pt's embedding, not state to train).
+    frozen = [k for k in saved["module"] if engines.LORA_MARK not in k]
+    assert any(engines.LORA_MARK in k for k in saved["module"]) and frozen in ([], ["base_model.model.lm_head.weight"]), frozen

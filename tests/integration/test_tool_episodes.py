@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from common.sandbox import _hidden_paths, _kept_paths
+from helpers import EngineTap
 
 HOME = os.path.realpath(os.path.expanduser("~"))
 SECRET_FILE = f"/tmp/gs{os.getpid()}"
@@ -98,25 +99,6 @@ def worker(tool_model):
     torch._dynamo.config.disable = False
     for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
         os.environ.pop(name, None)
-
-
-class Tap:
-    """The engine, with a record of each turn's prompt ids and sampled ids (a tap, not a mock:
-    every call goes to the real engine)."""
-
-    def __init__(self, engine):
-        self.engine, self.prompts, self.sampled = engine, {}, {}
-
-    def add_request(self, request_id, prompt, params):
-        self.prompts[request_id] = list(prompt["prompt_token_ids"])
-        return self.engine.add_request(request_id, prompt, params)
-
-    def step(self):
-        outputs = self.engine.step()
-        for out in outputs:
-            if out.finished:
-                self.sampled[out.request_id] = list(out.outputs[0].token_ids)
-        return outputs
 
 
 def generate(worker, prompts, n=1, greedy=True):
@@ -202,7 +184,7 @@ def test_the_learner_trains_on_exactly_the_ids_the_sampler_produced(worker):
     in its context but not a target."""
     from learner.batching import flatten
 
-    tap = Tap(worker.llm.llm_engine)
+    tap = EngineTap(worker.llm.llm_engine)
     worker.llm.llm_engine = tap
     try:
         groups, stats = generate(worker, ["c1=", "h5="], n=3, greedy=False)
@@ -217,8 +199,9 @@ def test_the_learner_trains_on_exactly_the_ids_the_sampler_produced(worker):
                 context = tap.prompts[rid]
                 assert context[:len(prompt)] == prompt and context[len(prompt):] == ids[:len(context) - len(prompt)]
                 start = len(context) - len(prompt)
-                assert ids[start:start + len(tap.sampled[rid])] == tap.sampled[rid]
-                targets += range(start, start + len(tap.sampled[rid]))
+                sampled = tap.sampled[rid][0]
+                assert ids[start:start + len(sampled)] == sampled
+                targets += range(start, start + len(sampled))
             # the sampled ids are exactly the targets; every other id is a tool result's
             assert [i for i, m in enumerate(mask) if m] == targets
             assert len(group.sampler_logprobs[j]) == len(ids)
