@@ -121,3 +121,15 @@ class EngineTap:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+def copy_without_chat_template(model_path: str, target) -> None:
+    """A copy of a model folder whose tokenizer has no chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(model_path, target)
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))

@@ -3,9 +3,8 @@ through the generation workers' endpoint, and a model it cannot work with."""
 from __future__ import annotations
 
 import json
-import shutil
 
-from helpers import GRPO, run, small_overrides
+from helpers import GRPO, copy_without_chat_template, run, small_overrides
 
 AGENT = "rollout.agent=examples.calculator_agent:run"
 
@@ -13,11 +12,7 @@ AGENT = "rollout.agent=examples.calculator_agent:run"
 def test_an_agent_with_a_model_without_a_chat_template_exits_2(tmp_path, system_cfg):
     """The endpoint renders the agent's messages with the chat template: none, no run."""
     model = tmp_path / "no-template"
-    shutil.copytree(system_cfg.model.path, model)
-    (model / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    copy_without_chat_template(system_cfg.model.path, model)
     out = tmp_path / "runs"
     result = run(GRPO, "train", "model=hf", f"model.path={model}", f"trainer.output_dir={out}", "logger=none", AGENT,
                  timeout=300)

@@ -4,19 +4,14 @@ tests/e2e/test_cli.py)."""
 from __future__ import annotations
 
 import json
-import shutil
 
-from helpers import GRPO, run, small_overrides
+from helpers import GRPO, copy_without_chat_template, run, small_overrides
 
 
 def test_a_tool_format_the_tokenizer_cannot_express_exits_2(tmp_path, system_cfg):
     """hermes results go back through the chat template: a model without one cannot use it."""
     model = tmp_path / "no-template"
-    shutil.copytree(system_cfg.model.path, model)
-    (model / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    copy_without_chat_template(system_cfg.model.path, model)
     out = tmp_path / "runs"
     result = run(GRPO, "train", "model=hf", f"model.path={model}", f"trainer.output_dir={out}", "logger=none",
                  "rollout.tools=[calculator]", "rollout.tool_format=hermes", timeout=300)
