@@ -59,7 +59,9 @@ def death_cause(error: BaseException) -> str:
     """What Ray says killed an actor, in a few words (its own message is many lines and lists
     every possible cause, out-of-memory first, even for a plain kill)."""
     text = str(error)
-    if "memory monitor" in text or "OutOfMemoryError" in text or "OOM" in text.split("root causes")[0]:
+    # Only the memory monitor's own words: every plain-kill message also lists "the OOM killer"
+    # among its possible causes, in a wording that changes between Ray releases.
+    if type(error).__name__ == "OutOfMemoryError" or "memory monitor" in text or "low on memory" in text:
         return "out of memory (Ray's memory monitor killed it)"
     detail = re.search(r"Worker exit detail: ([^\n]*)", text)
     if detail:

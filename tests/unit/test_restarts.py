@@ -10,12 +10,19 @@ KILLED = """The actor died unexpectedly before finishing this task.
 	pid: 9686
 The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file. There are some potential root causes. (1) The process is killed by SIGKILL by OOM killer due to high memory usage. (2) ray stop --force is called. (3) The worker is crashed unexpectedly due to SIGSEGV or other unexpected errors."""
 
+# Ray 2.60's words for the same SIGKILL, as raised (the OOM killer named before any "root causes").
+KILLED_260 = """The actor died unexpectedly before finishing this task.
+	class_name: A
+	pid: 3191
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error. If the process was killed by the kernel OOM killer (verifiable by checking for OOM in dmesg of the OOMing node), consider enabling resource isolation via --enable-resource-isolation to prevent node deaths by resource contention and significant loss of progress by uninformed kernel OOM killing."""
+
 OOM = """The actor died unexpectedly. Task was killed due to the node running low on memory.
 Memory on the node was 23.1GB / 24GB (0.96), which exceeds the memory usage threshold. Ray killed this worker because the memory monitor found the node low on memory."""
 
 
 def test_a_plain_kill_is_not_reported_as_out_of_memory():
     assert death_cause(RuntimeError(KILLED)) == "its process ended without a word (a kill signal or a crash)"
+    assert death_cause(RuntimeError(KILLED_260)) == "its process ended without a word (a kill signal or a crash)"
     assert death_cause(RuntimeError(OOM)) == "out of memory (Ray's memory monitor killed it)"
     assert death_cause(ValueError("something else")) == "ValueError"
 
