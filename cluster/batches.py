@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
 
 from cluster.preflight import say
+from common import seeds
 
 
 class Timer:
@@ -80,7 +81,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     for round_ in range(rounds):
         batch = items if items is not None else sampler.next_batch(size - len(kept))
         # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
-        seed = cfg.trainer.seed * 1_000_003 + step + round_ * 1_000_000_007 if round_seed is None else round_seed
+        seed = seeds.round_seed(cfg.trainer.seed, step, round_) if round_seed is None else round_seed
         scored, gen, stats = generate_and_score(roles, batch, cfg.algo.group_size, seed, timer)
         informative = stats.pop("per_item/informative")
         totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
@@ -170,7 +171,7 @@ def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles,
     weights) by groups generated again now; returns the staleness metrics of what is trained."""
     stale = [i for i, v in enumerate(batch.versions) if version - v > max_staleness]
     if stale:
-        fresh = collect(step, roles, sampler, cfg, round_seed=cfg.trainer.seed * 1_000_003 + step + 7_777_777,
+        fresh = collect(step, roles, sampler, cfg, round_seed=seeds.regenerated_seed(cfg.trainer.seed, step),
                         items=[batch.items[i] for i in stale])
         for j, i in enumerate(stale):
             batch.refs[i], batch.versions[i] = fresh.refs[j], fresh.versions[j]

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 from cluster.preflight import say
 from cluster.roles import Roles, evaluate
 from common.config import Config
+from common.seeds import warmup_seed
 
 
 def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] = None) -> int:
@@ -32,7 +33,7 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
         done, accuracy = 0, None
         while done < w.steps and (accuracy is None or accuracy < w.target_accuracy):
             chunk = min(w.check_every if w.target_accuracy > 0 else w.steps, w.steps - done)
-            losses = roles.learner.warmup(chunk, w.batch_size, w.lr, cfg.trainer.seed + done)
+            losses = roles.learner.warmup(chunk, w.batch_size, w.lr, warmup_seed(cfg.trainer.seed, done))
             done += chunk
             version += 1
             roles.channel.push(version)

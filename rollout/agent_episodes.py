@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from common.prompt_group import PromptGroup
 from rollout.agents import AgentResult, AgentTask
 from rollout.sessions import Session
+from common.seeds import sample_seed
 
 _IDLE_WAIT_S = 0.005
 
@@ -22,7 +23,7 @@ def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, gr
         for j in range(n):
             session = worker.sessions.open(c.completion_budget)
             if not greedy and seed is not None:  # None: unseeded sampling (rollout.seeded_sampling)
-                session_seeds[session.id] = seed * 1009 + j
+                session_seeds[session.id] = sample_seed(seed, j)
             row = {**fields, "prompt": prompt, "answer": answer}
             tasks.append(AgentTask(len(sessions), worker.endpoint.base_url(session), session.key, row, j))
             sessions.append(session)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from common.answers import extract_answer
+from common.seeds import epoch_seed
 
 if TYPE_CHECKING:
     from common.config import DataConfig
@@ -423,7 +424,7 @@ class PromptSampler:
     def _epoch_order(self) -> List[int]:
         if self._order is None:
             order = list(range(len(self.problems)))
-            random.Random(self.seed + self._epoch).shuffle(order)
+            random.Random(epoch_seed(self.seed, self._epoch)).shuffle(order)
             self._order = order
         return self._order
 

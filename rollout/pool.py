@@ -12,6 +12,7 @@ from common.config import RolloutConfig
 from common.dispatch import as_list, call_when_up, chunk_size, dispatch
 from rollout.datasets import Problem
 from rollout.worker import EngineStartError, GenerationWorker
+from common.seeds import engine_seed, prompt_seed
 
 
 class RolloutPool:
@@ -28,7 +29,7 @@ class RolloutPool:
         self.recover = None
         """Set by the driver to the weight-sync channel's `recover` (re-joins a restarted worker
         and pushes the current weights to it); None: a dead worker's error is raised."""
-        self.workers = [actor.options(**(placement(i) if placement else {})).remote(model_path, rollout_cfg, seed + i)
+        self.workers = [actor.options(**(placement(i) if placement else {})).remote(model_path, rollout_cfg, engine_seed(seed, i))
                         for i in range(rollout_cfg.num_workers)]
         try:
             ray.get([w.ready.remote() for w in self.workers])
@@ -54,7 +55,7 @@ class RolloutPool:
         share a random stream. `on_chunk(positions, refs)` hears of each chunk as it is done.
         """
         prompts = [(index, problem.prompt, problem.answer, problem.fields) for index, problem in batch]
-        seeds = {p[0]: hash((seed, p[0])) % (2**31) for p in prompts}
+        seeds = {p[0]: prompt_seed(seed, p[0]) for p in prompts}
 
         def submit(worker, chunk):
             with self._submitting:

@@ -17,6 +17,7 @@ from common.prompt_group import PromptGroup
 from common.reaper import start_reaper
 from rollout import texts
 from rollout.engine_log import StderrTail, root_cause
+from common.seeds import call_seed, sample_seed, turn_seed
 
 RECEIVER_CLASS = "rollout.weight_receiver.WeightReceiver"
 
@@ -267,7 +268,7 @@ class GenerationWorker:
         the engine's sampler then seeded once for the call from the prompts' seeds."""
         if self.seeded or greedy:
             return seeds
-        self.llm.collective_rpc("reseed", args=(hash(tuple(seeds)) % (2**31),))
+        self.llm.collective_rpc("reseed", args=(call_seed(seeds),))
         return [None] * len(seeds)
 
     def _episodes(self, prompts, n: int, greedy: bool, seeds: Sequence[Optional[int]], temperature, version: int):
@@ -276,11 +277,11 @@ class GenerationWorker:
 
         c = self.cfg
         episodes = [Episode(prompt_ids=self.tokenizer(p[1])["input_ids"],
-                            seed=None if greedy or seed is None else seed * 1009 + j)
+                            seed=None if greedy or seed is None else sample_seed(seed, j))
                     for p, seed in zip(prompts, seeds) for j in range(n)]
 
         def params(ep, turn: int, max_tokens: int):
-            seed = None if ep.seed is None else (ep.seed + 7919 * turn) % (2**31)
+            seed = None if ep.seed is None else turn_seed(ep.seed, turn)
             return self.sampling_params(1, greedy, seed, temperature, max_tokens)
 
         limits = Limits(c.max_turns, c.max_new_tokens, c.completion_budget, c.max_model_len)
@@ -312,7 +313,7 @@ class GenerationWorker:
         call = self._agent_call
         base = call.get("seeds", {}).get(session_id)
         greedy = call.get("greedy", False)
-        seed_for_turn = None if base is None else (base + 7919 * index) % (2**31)
+        seed_for_turn = None if base is None else turn_seed(base, index)
         params = self.sampling_params(n, greedy, seed_for_turn if trained or seed is None else seed,
                                       call.get("temperature") if trained else temperature, max_tokens)
         if not trained and top_p is not None:

@@ -41,3 +41,39 @@ def test_an_actor_found_unreachable_is_described_not_named_by_class():
 
     error = ray.exceptions.ActorUnavailableError("The actor 5e1 is unavailable: connection refused", b"\x00" * 16)
     assert death_cause(error) == "its process stopped answering (killed or crashed)"
+
+
+class _OneFileLearner:
+    def save_checkpoint(self, folder):
+        import os
+
+        os.makedirs(os.path.join(folder, "learner"))
+        with open(os.path.join(folder, "learner", "state.pt"), "wb") as f:
+            f.write(b"state")
+
+
+def _run_after_losses(tmp_path, max_restarts: int, restarts: int):
+    from types import SimpleNamespace
+
+    from cluster.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path, 2, _OneFileLearner(), {"step": 2}, 0)
+    trainer = SimpleNamespace(max_restarts=max_restarts, run_name="mine")
+    return SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), run_dir=tmp_path, learner_restarts=restarts)
+
+
+def test_with_no_restarts_allowed_a_lost_rank_stops_the_run_with_the_resume_line(tmp_path):
+    import pytest
+
+    from cluster.recovery import recover_learner
+    from learner.group import LearnerError
+
+    lost = LearnerError("a learner rank died during train_step (ActorDiedError)")
+    with pytest.raises(LearnerError) as stopped:
+        recover_learner(_run_after_losses(tmp_path, 0, 0), 3, lost)
+    assert str(stopped.value) == (
+        f"a learner rank died during train_step (ActorDiedError) at step 3; the run stopped. Its last checkpoint "
+        f"is {tmp_path / 'checkpoints' / 'step-000002'}: continue with the same overrides plus "
+        f"trainer.run_name=mine trainer.resume=auto")
+    with pytest.raises(LearnerError, match=r"the run stopped \(after 3 recoveries, trainer.max_restarts=3\)\. "):
+        recover_learner(_run_after_losses(tmp_path, 3, 3), 3, lost)
