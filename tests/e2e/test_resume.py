@@ -1,10 +1,11 @@
-"""Checkpoint and resume, exactly: a run killed after k steps and resumed matches a straight run.
+"""Checkpoint and resume, exactly: a run stopped, killed or short of a rank matches a straight run.
 
-Three real `grpo train` processes (each its own Ray, vLLM, DeepSpeed): straight to N=4 steps;
-the same run, checkpointed, loses a learner rank (killed) right after step 2 (which ends an epoch
-of the 16 training prompts, 8 per step): it stops with a message that says how to go on; then
-`trainer.resume=auto` continues it to 4. Every metrics.jsonl line must be equal except
-wall-clock timings, and so must the final weights.
+Real `grpo train` processes (each its own Ray, vLLM, DeepSpeed), N=4 steps of 8 of the 16
+training prompts: a straight run; the same run stopped by SIGTERM after its first step, then
+resumed with `trainer.resume=auto` while a learner rank is SIGKILLed mid-update (the resumed
+run rebuilds the learner by itself); and the same pair of straight and interrupted runs in
+async mode. Every metrics.jsonl line must be equal except wall-clock timings, and so must
+samples.jsonl and the final weights.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from helpers import GRPO, run
 
 
 STEPS = 4
-KILL_AFTER = 2  # 16 training prompts, 8 per step: step 2 ends the first epoch
 # Wall-clock timings and memory readings vary between any two runs; everything else must not.
 TIMING = ("time_", "learner_seconds", "sync_seconds", "sync_gbps", "sync_load_seconds", "sync_pack_seconds",
           "sync_wait_seconds", "learner_peak_memory_mb",
@@ -57,37 +57,7 @@ def runs(model_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
     straight = run(GRPO, "train", *_args(model_cache, out, "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
-
-    # trainer.max_restarts=0: the run stops at the loss instead of rebuilding the learner itself.
-    killed = run(GRPO, "train", *_args(model_cache, out, "resumed", "trainer.max_restarts=0"),
-                 env={"GRPO_FAULT": f"learner@{KILL_AFTER}"})
-    assert killed.returncode == 1, (killed.returncode, killed.stderr[-3000:])
-    checkpoints = out / "resumed" / "checkpoints"
-    message = killed.stderr.strip().splitlines()[-1]
-    assert "learner rank died" in message and f"step {KILL_AFTER + 1}" in message, message
-    assert "trainer.resume=auto" in message and str(checkpoints / f"step-{KILL_AFTER:06d}") in message, message
-    assert [p.name for p in complete_checkpoints(out / "resumed")] == ["step-000001", "step-000002"]
-    assert len(_metrics(out / "resumed")) == KILL_AFTER
-    # A half-written checkpoint and one without its trainer state must never be picked.
-    (checkpoints / ".tmp-step-000003" / "learner").mkdir(parents=True)
-    shutil.copytree(checkpoints / f"step-{KILL_AFTER:06d}", checkpoints / "step-000005")
-    (checkpoints / "step-000005" / "trainer_state.json").unlink()
-
-    resumed = run(GRPO, "train", *_args(model_cache, out, "resumed", "trainer.resume=auto"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return out, killed, resumed
-
-
-def test_resumed_run_matches_the_straight_run_line_for_line(runs):
-    out, _, resumed = runs
-    assert f"resumed from {out / 'resumed' / 'checkpoints' / f'step-{KILL_AFTER:06d}'}" in resumed.stdout
-    straight, again = _metrics(out / "straight"), _metrics(out / "resumed")
-    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
-    assert again == straight
-    assert json.loads((out / "resumed" / "summary.json").read_text())["heldout_accuracy_after"] == \
-        json.loads((out / "straight" / "summary.json").read_text())["heldout_accuracy_after"]
-    _assert_same_weights(out / "straight", out / "resumed")
-    assert read_samples(out / "resumed") == read_samples(out / "straight")  # exactly once, same order
+    return out, straight
 
 
 def _assert_same_weights(run_a, run_b):
@@ -103,22 +73,22 @@ def _assert_each_sample_once(run_dir, steps):
 
 
 def test_only_the_newest_complete_checkpoints_are_kept_and_no_tmp_is_left(runs):
-    out, _, _ = runs
-    assert [p.name for p in complete_checkpoints(out / "resumed")] == ["step-000003", "step-000004"]
-    assert not list((out / "resumed" / "checkpoints").glob(".tmp-*"))
+    out, _ = runs
+    assert [p.name for p in complete_checkpoints(out / "straight")] == ["step-000003", "step-000004"]
+    assert not list((out / "straight" / "checkpoints").glob(".tmp-*"))
 
 
 def test_export_writes_a_folder_transformers_and_vllm_load_with_the_trained_weights(runs, tmp_path, ray_session,
                                                                                    system_cfg):
-    out, _, _ = runs
+    out, _ = runs
     target = tmp_path / "exported"
-    result = run(GRPO, "export", str(out / "resumed" / "checkpoints" / f"step-{STEPS:06d}"), str(target))
+    result = run(GRPO, "export", str(out / "straight" / "checkpoints" / f"step-{STEPS:06d}"), str(target))
     assert result.returncode == 0, result.stderr[-3000:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(target)
     AutoTokenizer.from_pretrained(target)
-    final = _weights(out / "resumed" / "final_model")
+    final = _weights(out / "straight" / "final_model")
     exported = model.state_dict()
     assert all(torch.equal(exported[k], final[k]) for k in final)
     # vLLM loads it too, and generates from it
@@ -133,26 +103,28 @@ def test_export_writes_a_folder_transformers_and_vllm_load_with_the_trained_weig
         assert len(group.completion_ids[0]) > 0
     finally:
         ray.kill(engine)
-    again = run(GRPO, "export", str(out / "resumed" / "checkpoints" / f"step-{STEPS:06d}"), str(target))
+    again = run(GRPO, "export", str(out / "straight" / "checkpoints" / f"step-{STEPS:06d}"), str(target))
     assert again.returncode == 2 and "not empty" in again.stderr
-    bad = run(GRPO, "export", str(out / "resumed" / "checkpoints" / ".tmp-step-000003"), str(tmp_path / "x"))
+    half = tmp_path / ".tmp-step-000003"  # a checkpoint still being written
+    (half / "learner").mkdir(parents=True)
+    bad = run(GRPO, "export", str(half), str(tmp_path / "x"))
     assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
 
 
-# --------------------------------------------------------------------------- preemption
-
-PREEMPT_STEPS = 6
-
+# --------------------------------------------------------------------------- preemption, then a lost rank
 
 @pytest.fixture(scope="module")
-def preempted(model_cache, tmp_path_factory):
-    """A run without scheduled checkpoints (trainer.save_every=0) that gets SIGTERM once its
-    first step is logged, then `trainer.resume=auto` of it."""
-    out = tmp_path_factory.mktemp("preempt")
-    args = [a for a in _args(model_cache, out, "preempted") if not a.startswith(("trainer.save_every=",
-                                                                                  "trainer.max_steps="))]
-    args += ["trainer.save_every=0", f"trainer.max_steps={PREEMPT_STEPS}"]
-    metrics = out / "preempted" / "metrics.jsonl"
+def preempted(runs, model_cache):
+    """The straight run's settings without scheduled checkpoints (trainer.save_every=0), sent
+    SIGTERM once its first step is logged; then `trainer.resume=auto` of it, past a planted
+    half-written checkpoint and one without its trainer state, whose last learner rank is
+    SIGKILLed during the last step's update (trainer.max_restarts at its default): the resumed
+    run rebuilds the learner by itself from the SIGTERM checkpoint."""
+    out = runs[0]
+    args = [a for a in _args(model_cache, out, "preempted") if not a.startswith("trainer.save_every=")]
+    args += ["trainer.save_every=0"]
+    run_dir = out / "preempted"
+    metrics = run_dir / "metrics.jsonl"
     proc = subprocess.Popen([GRPO, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -167,68 +139,57 @@ def preempted(model_cache, tmp_path_factory):
             proc.kill()
     stopped = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     stopped.logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    resumed = run(GRPO, "train", *args, "trainer.resume=auto")
-    return out / "preempted", stopped, resumed
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    stopped.step = int(stopped.stderr.split("stopped by SIGTERM after step ")[1].split(",")[0])
+    assert 1 <= stopped.step < STEPS, stopped.step
+    # A half-written checkpoint and one without its trainer state must never be picked.
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / f".tmp-step-{stopped.step + 1:06d}" / "learner").mkdir(parents=True)
+    shutil.copytree(checkpoints / f"step-{stopped.step:06d}", checkpoints / "step-000005")
+    (checkpoints / "step-000005" / "trainer_state.json").unlink()
+    census = out / "census.json"
+    resumed = run(GRPO, "train", *args, "trainer.resume=auto",
+                  env={"GRPO_FAULT": f"learner-update@{STEPS},census@{STEPS}", "GRPO_CENSUS_FILE": str(census)})
+    return run_dir, stopped, resumed, json.loads(census.read_text())
 
 
 def test_sigterm_ends_the_step_checkpoints_it_and_exits_143_with_the_resume_line(preempted):
-    run_dir, stopped, _ = preempted
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # The resumed run rewrote metrics.jsonl: the stopped run's steps are what the resume line names.
+    run_dir, stopped, _, _ = preempted
     line = stopped.stderr.strip().splitlines()[-1]
-    step = int(line.split("stopped by SIGTERM after step ")[1].split(",")[0])
-    assert 1 <= step < PREEMPT_STEPS
-    assert line == (f"grpo: stopped by SIGTERM after step {step}, checkpointed; everything the run started has "
-                    f"been stopped. Its last checkpoint is {run_dir / 'checkpoints' / f'step-{step:06d}'}: "
-                    f"continue with the same overrides plus trainer.run_name=preempted trainer.resume=auto")
+    assert line == (f"grpo: stopped by SIGTERM after step {stopped.step}, checkpointed; everything the run started "
+                    f"has been stopped. Its last checkpoint is "
+                    f"{run_dir / 'checkpoints' / f'step-{stopped.step:06d}'}: continue with the same overrides "
+                    f"plus trainer.run_name=preempted trainer.resume=auto")
     assert "Traceback" not in stopped.stderr
-    assert stopped.logged == list(range(1, step + 1))  # it stopped at the step it checkpointed
-    assert logged == list(range(1, PREEMPT_STEPS + 1))
+    assert stopped.logged == list(range(1, stopped.step + 1))  # it stopped at the step it checkpointed
 
 
-def test_resume_after_sigterm_continues_with_no_step_logged_twice(preempted):
-    run_dir, stopped, resumed = preempted
+def test_the_resumed_run_matches_the_straight_run_line_for_line(runs, preempted):
+    out, _ = runs
+    run_dir, stopped, resumed, _ = preempted
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    step = int(stopped.stderr.split("stopped by SIGTERM after step ")[1].split(",")[0])
-    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:06d}'} (step {step}," in resumed.stdout
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert logged == list(range(1, PREEMPT_STEPS + 1))  # each step once, none lost
-    _assert_each_sample_once(run_dir, PREEMPT_STEPS)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{stopped.step:06d}'} (step {stopped.step}," \
+        in resumed.stdout
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, STEPS + 1))  # each step once, none lost
+    assert _metrics(run_dir) == _metrics(out / "straight")
+    assert json.loads((run_dir / "summary.json").read_text())["heldout_accuracy_after"] == \
+        json.loads((out / "straight" / "summary.json").read_text())["heldout_accuracy_after"]
+    _assert_each_sample_once(run_dir, STEPS)
+    assert read_samples(run_dir) == read_samples(out / "straight")  # exactly once, same order
+    _assert_same_weights(out / "straight", run_dir)
 
 
-# --------------------------------------------------------------------------- learner recovery
-
-LOST_IN = 3  # the update of step 3: the newest checkpoint is step 2's
-
-
-@pytest.fixture(scope="module")
-def recovered(runs, model_cache):
-    """The straight run's settings with its last learner rank SIGKILLed during step 3's update
-    (trainer.max_restarts at its default): the run rebuilds the learner by itself."""
-    out = runs[0]
-    census = out / "census.json"
-    result = run(GRPO, "train", *_args(model_cache, out, "recovered"),
-                 env={"GRPO_FAULT": f"learner-update@{LOST_IN},census@{STEPS}", "GRPO_CENSUS_FILE": str(census)})
-    return out, result, json.loads(census.read_text())
+def test_a_learner_rank_lost_mid_update_is_rebuilt_by_the_run_itself(preempted):
+    run_dir, stopped, resumed, _ = preempted
+    lines = [line for line in resumed.stdout.splitlines() if "learner rank" in line and " died " in line]
+    assert len(lines) == 1, resumed.stdout[-3000:]
+    assert f"step {STEPS}: learner rank 1 died" in lines[0] and "back in" in lines[0], lines[0]
+    assert f"rebuilt from step-{stopped.step:06d}, going on from step {stopped.step + 1}" in lines[0], lines[0]
+    assert json.loads((run_dir / "summary.json").read_text())["learner_restarts"] == 1
 
 
-def test_a_learner_rank_lost_mid_update_is_rebuilt_and_the_run_equals_the_straight_one(recovered):
-    out, result, _ = recovered
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if "learner rank" in line and " died " in line]
-    assert len(lines) == 1, result.stdout[-3000:]
-    assert f"step {LOST_IN}: learner rank 1 died" in lines[0] and "back in" in lines[0], lines[0]
-    assert f"rebuilt from step-{LOST_IN - 1:06d}, going on from step {LOST_IN}" in lines[0], lines[0]
-    assert [r["step"] for r in _metrics(out / "recovered")] == list(range(1, STEPS + 1))
-    assert _metrics(out / "recovered") == _metrics(out / "straight")
-    assert read_samples(out / "recovered") == read_samples(out / "straight")
-    _assert_same_weights(out / "straight", out / "recovered")
-    assert json.loads((out / "recovered" / "summary.json").read_text())["learner_restarts"] == 1
-
-
-def test_a_rebuilt_learner_leaves_no_placement_group_or_rank_behind(recovered):
-    _, _, census = recovered
+def test_a_rebuilt_learner_leaves_no_placement_group_or_rank_behind(preempted):
+    census = preempted[3]
     learner_groups = [state for name, state in census["placement_groups"] if name == "grpo-learner"]
     assert sorted(learner_groups) == ["CREATED", "REMOVED"]
     assert all(state in ("CREATED", "REMOVED") for _, state in census["placement_groups"])
