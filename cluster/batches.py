@@ -24,6 +24,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 from cluster.preflight import say
 from common import seeds
+from common.messages import RestartEvent
 
 
 class Timer:
@@ -52,8 +53,8 @@ class Batch:
     reward_stats: Dict[str, Any]
     metrics: Dict[str, float]
     times: Dict[str, float]
-    restarts: List[dict] = field(default_factory=list)
-    """Generation actors that died while making this batch: actor, cause, seconds to recover."""
+    restarts: List[RestartEvent] = field(default_factory=list)
+    """Generation actors that died while making this batch."""
     sampler_state: Dict[str, int] = field(default_factory=dict)
     """The prompt sampler's state before this batch was drawn (a checkpoint taken before this
     batch is trained resumes from here, so no prompt is lost or repeated)."""
@@ -74,7 +75,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     kept: List[tuple] = []
     spare: List[tuple] = []
     totals: Dict[str, Any] = {}
-    restarts: List[dict] = []
+    restarts: List[RestartEvent] = []
     gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
                                     **{key: 0.0 for key in TOOL_STATS},
                                     **({key: 0.0 for key in AGENT_STATS} if cfg.rollout.agent is not None else {})}

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 from cluster.preflight import say
 from cluster.roles import Roles, evaluate
 from common.config import Config
+from common.messages import RestartEvent, StepRecord
 from common.seeds import warmup_seed
 
 
@@ -46,7 +47,7 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
     return version
 
 
-def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Config) -> Dict[str, float]:
+def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Config) -> StepRecord:
     """One GRPO iteration: take a scored batch (made now, or ahead in async mode), drop what is
     too stale, train, push the new weights."""
     from cluster.batches import Timer, drop_stale
@@ -72,12 +73,12 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
     # Verifier and generation actors: restarted while generating, or found dead by the push.
     verifier_restarts = rewards["actor_restarts"]
     rewards["actor_restarts"] += batch.metrics["rollout_actor_restarts"] + sync_metrics.pop("sync_worker_restarts", 0.0)
-    restarts = [{"role": "generation worker", **e} for e in batch.restarts + sync_metrics.pop("restart_events", [])]
+    restarts = [*batch.restarts, *sync_metrics.pop("restart_events", [])]
     if verifier_restarts:
-        restarts.append({"role": "verifier", "actor": -1, "cause": "restarted by Ray, its call re-run", "seconds": None})
+        restarts.append(RestartEvent("verifier", "restarted by Ray, its call re-run"))
     step_seconds = time.perf_counter() - started
     generate_seconds = batch.times.get("time_generate", 0.0)
-    return {
+    return StepRecord(metrics={
         "step": step,
         "policy_version": version + 1,
         **rewards,
@@ -92,17 +93,7 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
         **batch.times,
         **timer.times,
         "time_step": step_seconds,
-        "restart_events": restarts,
-        "samples": samples,
-    }
-
-
-def restart_line(step: int, event: dict) -> str:
-    """One line per actor that died and came back (printed by the driver, not logged)."""
-    who = event["role"] + (f" {event['actor']}" if event.get("actor", -1) >= 0 else "")
-    during = f" during {event['during']}" if event.get("during") else ""
-    back = f"; back in {event['seconds']:.1f} s" if event.get("seconds") is not None else ""
-    return f"step {step}: {who} died{during}: {event['cause']}{back}"
+    }, events=tuple(restarts), samples=samples)
 
 
 def make_batches(cfg: Config, roles: Roles, sampler, first_step: int, ready: Optional[List[tuple]] = None):

@@ -16,7 +16,8 @@ from typing import Optional
 
 from cluster.buffer import RolloutBuffer
 from cluster.checkpoint import latest_checkpoint
-from cluster.phases import make_batches, restart_line, resume, resume_hint
+from cluster.phases import make_batches, resume, resume_hint
+from common.messages import RestartEvent
 from common.ray_utils import death_cause
 
 
@@ -45,11 +46,10 @@ def recover_learner(run, step: int, error: Exception) -> int:
     run.learner_restarts += 1
     during = str(error).split(" during ")[1].split(" ")[0] if " during " in str(error) else None
     cause = death_cause(error.__cause__) if error.__cause__ is not None else str(error)
-    run.say(restart_line(step, {
-        "role": "learner rank", "actor": rank, "during": during,
-        "cause": f"{cause}; learner rebuilt from {last.name}, going on from step {back + 1} "
-                 f"(recovery {run.learner_restarts} of {cfg.trainer.max_restarts})",
-        "seconds": time.monotonic() - started}))
+    run.say(RestartEvent(
+        "learner rank", f"{cause}; learner rebuilt from {last.name}, going on from step {back + 1} "
+                        f"(recovery {run.learner_restarts} of {cfg.trainer.max_restarts})",
+        rank, time.monotonic() - started, during).line(step))
     return back + 1
 
 

@@ -2,17 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from common.config import Config
+
+if TYPE_CHECKING:  # the roles' modules import Ray, vLLM and DeepSpeed: not for a type alone
+    from cluster.placement import Placement
+    from cluster.sync_channel import WeightSyncChannel
+    from learner.group import LearnerGroup
+    from reward.pool import VerifierPool
+    from rollout.pool import RolloutPool
 
 
 @dataclass
 class Roles:
-    rollout: object
-    verifiers: object
-    learner: object
-    channel: object
-    placement: object = None
+    rollout: RolloutPool
+    verifiers: VerifierPool
+    learner: LearnerGroup
+    channel: WeightSyncChannel
+    placement: Optional[Placement] = None
 
     def shutdown(self) -> None:
         """Every role's actors and the placement groups, whichever of them still answer."""

@@ -6,13 +6,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
 from cluster.buffer import RolloutBuffer
 from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, say, show_prompt
 from cluster.roles import Roles, start_roles
 from cluster.samples import SampleLog
 from common.config import Config
+
+if TYPE_CHECKING:
+    from cluster.batches import AsyncBatches, SyncBatches
+    from cluster.metrics import MetricsLogger
+    from rollout.datasets import PromptSampler
 
 
 @dataclass
@@ -21,18 +26,18 @@ class Run:
     started: float = field(default_factory=time.time)
     run_dir: Optional[Path] = None
     roles: Optional[Roles] = None
-    batches: object = None
+    batches: Optional[Union[SyncBatches, AsyncBatches]] = None
     """The batch source (cluster/batches.py); in async mode it owns a thread."""
     buffer: RolloutBuffer = field(default_factory=RolloutBuffer)
-    logger: object = None
+    logger: Optional[MetricsLogger] = None
     """The MetricsLogger (metrics.jsonl, wandb, the progress bar)."""
     version: int = 0
     """The policy version the generation workers hold."""
-    sampler: object = None
+    sampler: Optional[PromptSampler] = None
     """Which training prompts come next (rollout/datasets.py's PromptSampler)."""
     accuracy_before: float = 0.0
     """Held-out greedy accuracy GRPO started from."""
-    samples: object = None
+    samples: Optional[SampleLog] = None
     """The SampleLog (samples.jsonl: which samples each step trained on)."""
     ahead: list = field(default_factory=list)
     """Async mode, resumed: the (step, Batch) pairs the checkpoint saved as made ahead."""

@@ -15,6 +15,7 @@ import ray
 
 from common import weight_sync
 from common.dispatch import call_when_up
+from common.messages import RestartEvent
 from common.ray_utils import death_cause
 
 
@@ -133,8 +134,8 @@ class WeightSyncChannel:
                 call_when_up(w.ready, self.timeout_s)
             self._join()
             metrics = self._push(version)
-            event = {"actor": self._worker_index(died), "cause": death_cause(died),
-                     "seconds": time.monotonic() - started, "during": "the weight push"}
+            event = RestartEvent("generation worker", death_cause(died), self._worker_index(died),
+                                 time.monotonic() - started, "the weight push")
             return {**metrics, "sync_worker_restarts": 1.0, "restart_events": [event]}
 
     def _worker_index(self, cause) -> int:

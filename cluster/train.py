@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
 from common import heap
 from common.config import Config
+from common.messages import StepRecord
 
 if TYPE_CHECKING:  # imported once the inputs are checked (train): bad input answers before Ray is imported
     from cluster.run import Run
@@ -90,8 +91,8 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
     with steps_running():
         while step <= cfg.trainer.max_steps:
             try:
-                row = grpo_step(step, run.version, run.roles, run.batches, run.buffer, cfg)
-                end_step(run, step, row, heldout)  # its checkpoint needs every rank too
+                record = grpo_step(step, run.version, run.roles, run.batches, run.buffer, cfg)
+                end_step(run, step, record, heldout)  # its checkpoint needs every rank too
             except (LearnerError, WeightSyncError) as error:
                 # A lost learner shard, or a push that could not be completed or retried (with NCCL
                 # a receiver lost mid-broadcast leaves the sender's communicator unusable): a new
@@ -104,16 +105,16 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
     run.stop_batches()
 
 
-def end_step(run: Run, step: int, row: Dict[str, object], heldout) -> None:
+def end_step(run: Run, step: int, record: StepRecord, heldout) -> None:
     """Log the step, evaluate and checkpoint on schedule; on SIGTERM, checkpoint it and stop."""
     from cluster.exits import Preempted, stop_requested
-    from cluster.phases import resume_hint, restart_line
+    from cluster.phases import resume_hint
 
     cfg = run.cfg
-    run.version = row["policy_version"]
-    for event in row.pop("restart_events"):
-        run.say(restart_line(step, event))
-    samples = row.pop("samples")
+    run.version = record.policy_version
+    for event in record.events:
+        run.say(event.line(step))
+    row = dict(record.metrics)
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         row.update(periodic_eval(run, heldout))
     row["wall_seconds"] = time.time() - run.started  # since the job started: the gaps between steps show
@@ -122,7 +123,7 @@ def end_step(run: Run, step: int, row: Dict[str, object], heldout) -> None:
     if stopping or (cfg.trainer.save_every and (step % cfg.trainer.save_every == 0
                                                  or step == cfg.trainer.max_steps)):
         checkpoint(run, step)
-    run.samples.append(samples)  # the step is committed: logged, and checkpointed when due
+    run.samples.append(record.samples)  # the step is committed: logged, and checkpointed when due
     if stopping:
         raise Preempted(f"stopped by SIGTERM after step {step}, checkpointed; everything the run started "
                         f"has been stopped. " + resume_hint(cfg, run.run_dir))

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
+from common.messages import RestartEvent
 from common.ray_utils import death_cause
 
 Submit = Callable[[Any, List[Any]], List[ray.ObjectRef]]
@@ -29,7 +30,7 @@ def chunk_size(num_items: int, num_actors: int, chunks_per_actor: int) -> int:
 
 def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: int,
              stats: Dict[str, Any], on_failure: Optional[Callable[[int], None]] = None,
-             on_done: Optional[Callable[[range, List[ray.ObjectRef]], None]] = None,
+             on_done: Optional[Callable[[range, List[ray.ObjectRef]], None]] = None, role: str = "actor",
              ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
     """Run `items` in chunks of `size` on whichever actor is free; returns (one result ref per
     item, in order; `stats` with every chunk's stats added).
@@ -37,8 +38,8 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
     With `on_failure`, a chunk whose actor died is handed out again once `on_failure(actor
     index)` returns (it waits for the restarted actor and readies it); its results are then
     those of the re-run only, so every item is done exactly once. `actor_restarts` counts them.
-    Each restart is also described in `restart_events` (actor index, cause, seconds until the
-    actor was back and ready). Without it the actor's error is raised. `on_done(positions, refs)` is called as each chunk
+    Each restart is also described in `restart_events` (a RestartEvent of `role`: actor index,
+    cause, seconds until the actor was back and ready). Without it the actor's error is raised. `on_done(positions, refs)` is called as each chunk
     completes (the next stage can start on it while the others still run)."""
     n = len(items)
     out: List[ray.ObjectRef] = [None] * n  # type: ignore[list-item]
@@ -63,7 +64,7 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
             on_failure(a)
             stats["actor_restarts"] = stats.get("actor_restarts", 0.0) + 1
             stats.setdefault("restart_events", []).append(
-                {"actor": a, "cause": death_cause(error), "seconds": time.monotonic() - started})
+                RestartEvent(role, death_cause(error), a, time.monotonic() - started))
             queue.appendleft(chunk)
             idle.append(a)
             continue

@@ -64,7 +64,8 @@ class RolloutPool:
 
         size = chunk_size(len(prompts), len(self.workers), self.cfg.chunks_per_worker)
         return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},
-                        on_failure=self._restarted if self.recover else None, on_done=on_chunk)
+                        on_failure=self._restarted if self.recover else None, on_done=on_chunk,
+                        role="generation worker")
 
     def _restarted(self, index: int) -> None:
         """Wait for worker `index` to come back, then give it the current weights; it must then

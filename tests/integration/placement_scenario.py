@@ -59,12 +59,12 @@ def main(model_cache: str, out: str) -> None:
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)
     version = warm_up(roles, cfg, train_set)
     batches, buffer = SyncBatches(roles, PromptSampler(train_set, 0), cfg), RolloutBuffer()
-    first = grpo_step(1, version, roles, batches, buffer, cfg)
+    first = grpo_step(1, version, roles, batches, buffer, cfg).metrics
     # Lose the generation node: a replacement with the same label joins, the old one goes.
     replacement = cluster.add_node(num_cpus=labels["gen"], resources={"gen": 1}, object_store_memory=store)
     replacement_id = replacement.node_id
     cluster.remove_node(nodes["gen"])
-    second = grpo_step(2, first["policy_version"], roles, batches, buffer, cfg)
+    second = grpo_step(2, first["policy_version"], roles, batches, buffer, cfg).metrics
     placed_after = where()
     nowhere = load_config(small_overrides(model_cache, out) + ["cluster.nodes.rollout=tpu_pod"])
     print("RESULT " + json.dumps({

@@ -8,7 +8,7 @@ import torch
 from cluster.batches import SyncBatches
 from cluster.buffer import RolloutBuffer
 from common.prompt_group import PromptGroup
-from cluster.phases import grpo_step, restart_line, warm_up
+from cluster.phases import grpo_step, warm_up
 from common.config import WarmupConfig
 from cluster.roles import evaluate
 from rollout.datasets import PromptSampler, load_problems
@@ -37,7 +37,7 @@ def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, syste
     batches, buffer = SyncBatches(roles, PromptSampler(train_set, 0), system_cfg), RolloutBuffer()
     rows = []
     for step in (1, 2):
-        row = grpo_step(step, version, roles, batches, buffer, system_cfg)
+        row = grpo_step(step, version, roles, batches, buffer, system_cfg).metrics
         version = row["policy_version"]
         rows.append(row)
     after = roles.learner.call("state_copy")
@@ -155,7 +155,7 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
     try:
         for step in range(1, 5):
             versions.append(version)
-            row = grpo_step(step, version, roles, batches, buffer, cfg)
+            row = grpo_step(step, version, roles, batches, buffer, cfg).metrics
             version = row["policy_version"]
             rows.append(row)
     finally:
@@ -196,7 +196,7 @@ def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
     buffer, rows = RolloutBuffer(), []
     try:
         for step in range(1, cfg.trainer.max_steps + 1):
-            row = grpo_step(step, version, roles, batches, buffer, cfg)
+            row = grpo_step(step, version, roles, batches, buffer, cfg).metrics
             version = row["policy_version"]
             rows.append(row)
     finally:
@@ -237,16 +237,16 @@ def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_l
         step += 1
         assert step <= 30, "the kill never came"
         versions.append(version)
-        row = grpo_step(step, version, roles, batches, buffer, cfg)
-        version = row["policy_version"]
-        rows.append(row)
+        record = grpo_step(step, version, roles, batches, buffer, cfg)
+        version = record.policy_version
+        rows.append(record)
     killer.join()
     assert ray.get(victim.pid.remote()) != old_pid, "the actor was not restarted"
-    assert sum(r["actor_restarts"] for r in rows) >= 1
+    assert sum(r.metrics["actor_restarts"] for r in rows) >= 1
     # the driver's one line per restart: which actor, when, why, how long until it was back
-    events = [(step, e) for step, r in enumerate(rows, start=1) for e in r["restart_events"]]
-    assert [e["actor"] for _, e in events] == [1], events
-    line = restart_line(*events[0])
+    events = [(step, e) for step, r in enumerate(rows, start=1) for e in r.events]
+    assert [e.actor for _, e in events] == [1], events
+    line = events[0][1].line(events[0][0])
     assert line.startswith(f"step {events[0][0]}: generation worker 1 died") and " s" in line.split("back in")[1]
     assert roles.rollout.versions() == [version, version]
     seen = []

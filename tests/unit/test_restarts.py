@@ -1,7 +1,7 @@
 """The driver's one line per actor restart, and the cause read out of Ray's error."""
 from __future__ import annotations
 
-from cluster.phases import restart_line
+from common.messages import RestartEvent
 from common.ray_utils import death_cause
 
 KILLED = """The actor died unexpectedly before finishing this task.
@@ -28,12 +28,11 @@ def test_a_plain_kill_is_not_reported_as_out_of_memory():
 
 
 def test_one_line_names_the_role_the_step_the_cause_and_the_recovery_time():
-    event = {"role": "generation worker", "actor": 1, "cause": "out of memory", "seconds": 41.73,
-             "during": "the weight push"}
-    assert restart_line(7, event) == ("step 7: generation worker 1 died during the weight push: out of memory; "
+    event = RestartEvent("generation worker", "out of memory", 1, 41.73, "the weight push")
+    assert event.line(7) == ("step 7: generation worker 1 died during the weight push: out of memory; "
                                       "back in 41.7 s")
-    verifier = {"role": "verifier", "actor": -1, "cause": "restarted by Ray, its call re-run", "seconds": None}
-    assert restart_line(3, verifier) == "step 3: verifier died: restarted by Ray, its call re-run"
+    verifier = RestartEvent("verifier", "restarted by Ray, its call re-run")
+    assert verifier.line(3) == "step 3: verifier died: restarted by Ray, its call re-run"
 
 
 def test_an_actor_found_unreachable_is_described_not_named_by_class():
