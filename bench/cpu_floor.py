@@ -215,7 +215,7 @@ import torch
 from common.config import AlgoConfig, LearnerConfig, ModelConfig
 from common.prompt_group import PromptGroup
 from learner.actor import LearnerRank
-from learner.tiny_model import build_tiny_model
+from data.tiny_model import build_tiny_model
 
 rank, world, port, repeats = (int(a) for a in sys.argv[1:5])
 VOCAB, GROUPS, PROMPT, SHORTEST, LONGEST = {shape!r}

@@ -31,7 +31,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from common.config import DataConfig
-    from rollout.datasets import load_problems
+    from data.datasets import load_problems
     from rollout.worker import no_compile
 
     torch.set_num_threads(1)

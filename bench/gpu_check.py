@@ -245,7 +245,7 @@ def nccl_stage() -> dict:
 
 def build_model(shape: dict, cache: str) -> str:
     from common.config import ModelConfig
-    from learner.tiny_model import build_tiny_model
+    from data.tiny_model import build_tiny_model
 
     fields = {k: shape[k] for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size",
                                     "max_position_embeddings")}

@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from common.config import ModelConfig
-    from learner.tiny_model import build_tiny_model
+    from data.tiny_model import build_tiny_model
 
     path = build_tiny_model(ModelConfig(cache_dir=args.cache, hidden_size=args.hidden, num_layers=args.layers,
                                         num_heads=args.heads, intermediate_size=args.inter,

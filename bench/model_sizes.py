@@ -27,6 +27,6 @@ def model_config(size: str, cache_dir: str, tied: bool = True) -> ModelConfig:
 
 
 def build(size: str, cache_dir: str, tied: bool = True) -> str:
-    from learner.tiny_model import build_tiny_model
+    from data.tiny_model import build_tiny_model
 
     return build_tiny_model(model_config(size, cache_dir, tied), seed=0)

@@ -35,7 +35,7 @@ def main() -> None:
     from learner import batching
     from learner.logprobs import token_logprobs
     from learner.metrics import combine_metrics
-    from rollout.datasets import load_problems
+    from data.datasets import load_problems
 
     batching.global_max = lambda value, device: value  # one process plays every rank
     prompts = [p.prompt for p in load_problems(DataConfig(), 0).train[:64]]

@@ -103,7 +103,7 @@ def trl_child(start: str, steps: int, result: str, seed: int, settings: dict) ->
 
     from common.config import DataConfig
     from reward.verifiers import format_score, math_score
-    from rollout.datasets import load_problems
+    from data.datasets import load_problems
 
     heldout, train = load_problems(DataConfig(), seed)
     tokenizer = AutoTokenizer.from_pretrained(start)

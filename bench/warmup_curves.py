@@ -24,11 +24,11 @@ def curve(seed: int, lr: float, steps: int, every: int, schedule: str, batch: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.config import DataConfig, ModelConfig
+    from data.datasets import load_problems
+    from data.tiny_model import build_tiny_model
     from learner.batching import pad
     from learner.logprobs import token_logprobs
-    from learner.tiny_model import build_tiny_model
     from reward.verifiers import math_score
-    from rollout.datasets import load_problems
 
     torch.manual_seed(seed)
     path = build_tiny_model(ModelConfig(cache_dir=cache), seed)

@@ -224,7 +224,7 @@ def reload_alone(size: str, cache: str, repeats: int, threads: int, linear: str,
 def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: int) -> dict:
     from cluster.compose import load_config
     from cluster.preflight import resolve_model
-    from rollout.datasets import load_problems
+    from data.datasets import load_problems
     from rollout.pool import RolloutPool
 
     cfg = load_config([f"model.cache_dir={cache}", f"rollout.chunks_per_worker={chunks_per_worker}"])

@@ -196,7 +196,7 @@ def _check_model(cfg: Config) -> None:
     hub id would run as `tiny` (no chat template by name, the tiny model's learning rate)."""
     if cfg.model.name != "tiny" or not cfg.model.path:
         return
-    from learner.tiny_model import tiny_model_dir, variant
+    from data.tiny_model import tiny_model_dir, variant
 
     built = tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():

@@ -82,7 +82,7 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
                                    resolve_model, say, show_prompt)
     from common.ray_utils import init_ray
     from reward.pool import VerifierPool
-    from rollout.datasets import load_eval_problems
+    from data.datasets import load_eval_problems
     from rollout.pool import RolloutPool
 
     started = time.time()

@@ -64,7 +64,7 @@ def _status(exc: Exception) -> Optional[int]:
     its traceback is shown). The error types are imported only here, once something failed,
     so that `grpo --help` and config errors stay instant (no torch, no Ray)."""
     from common.config import ConfigError
-    from rollout.datasets import DataError
+    from data.datasets import DataError
 
     if isinstance(exc, (ConfigError, DataError)):
         return fail(str(exc))

@@ -38,7 +38,7 @@ def resolve_model(cfg: Config) -> str:
             check_model_length(cfg, local)
             check_lora_targets(cfg, local)
         return local if looks_local else path
-    from learner.tiny_model import build_tiny_model, variant
+    from data.tiny_model import build_tiny_model, variant
 
     folder = build_tiny_model(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     check_model_length(cfg, folder)
@@ -49,7 +49,7 @@ def resolve_model(cfg: Config) -> str:
 def is_built_in(cfg: Config) -> bool:
     """Whether `model.path` (once resolved) is the built-in model's folder, written by this
     project's builder for this config, rather than a folder or hub id the user named."""
-    from learner.tiny_model import tiny_model_dir, variant
+    from data.tiny_model import tiny_model_dir, variant
 
     return cfg.model.name == "tiny" and bool(cfg.model.path) and \
         Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
@@ -58,7 +58,7 @@ def is_built_in(cfg: Config) -> bool:
 def prepare_prompts(cfg: Config, heldout, train_set):
     """Every row rendered into the text the model sees (prompt template, system prompt, chat
     template); the stops that end a turn join rollout.stop_token_ids."""
-    from rollout.prompts import prepare
+    from data.prompts import prepare
 
     name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
     rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout}, cfg.rollout,

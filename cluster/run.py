@@ -17,7 +17,7 @@ from common.config import Config
 if TYPE_CHECKING:
     from cluster.batches import AsyncBatches, SyncBatches
     from cluster.metrics import MetricsLogger
-    from rollout.datasets import PromptSampler
+    from data.datasets import PromptSampler
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Run:
     version: int = 0
     """The policy version the generation workers hold."""
     sampler: Optional[PromptSampler] = None
-    """Which training prompts come next (rollout/datasets.py's PromptSampler)."""
+    """Which training prompts come next (data/datasets.py's PromptSampler)."""
     accuracy_before: float = 0.0
     """Held-out greedy accuracy GRPO started from."""
     samples: Optional[SampleLog] = None

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # imported once the inputs are checked (train): bad input ans
 
 def train(cfg: Config) -> Dict[str, object]:
     """The whole job: warm-up, GRPO steps, held-out accuracy before and after. Returns the summary."""
-    from rollout.datasets import load_problems
+    from data.datasets import load_problems
 
     started = time.time()
     # The imports (torch, transformers) trigger full collections that walk the whole heap again
@@ -58,7 +58,7 @@ def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) ->
     from; returns the first GRPO step."""
     from cluster.phases import resume, warm_up
     from cluster.roles import evaluate
-    from rollout.datasets import PromptSampler
+    from data.datasets import PromptSampler
 
     cfg = run.cfg
     run.sampler = PromptSampler(train_set, cfg.trainer.seed)

@@ -10,7 +10,7 @@ import ray
 
 from common.config import RolloutConfig
 from common.dispatch import as_list, call_when_up, chunk_size, dispatch
-from rollout.datasets import Problem
+from common.problem import Problem
 from rollout.worker import EngineStartError, GenerationWorker
 from common.seeds import engine_seed, prompt_seed
 

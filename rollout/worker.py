@@ -142,7 +142,7 @@ class GenerationWorker:
 
     def _start_tools(self) -> None:
         from common.sandbox import SandboxLimits
-        from rollout.tool_formats import make_format
+        from common.tool_formats import make_format
         from rollout.tools import ToolBox
 
         c = self.cfg

@@ -63,7 +63,7 @@ def warmed_learner(learners, cfg, zero_stage: int):
     from the module's pool `learners` (tests/learner_pool.py). Under ZeRO-3 every parameter
     is partitioned, as a large model's would be (DeepSpeed keeps parameters under 1e5 elements
     whole by default: every one of the tiny model's)."""
-    from rollout.datasets import load_problems
+    from data.datasets import load_problems
 
     learner_cfg = replace(cfg.learner, zero_stage=zero_stage, num_ranks=2,
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})

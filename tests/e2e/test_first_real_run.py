@@ -89,7 +89,7 @@ def test_training_reports_pass_and_maj_at_k(recipe):
 
 def test_eval_records_verifier_scores_and_stops(recipe):
     from cluster.evaluation import pass_at_k
-    from learner.tiny_model import build_tokenizer
+    from data.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}

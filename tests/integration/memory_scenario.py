@@ -33,7 +33,7 @@ def main(cache: str, budget: int, batches) -> None:
 
     from common.config import AlgoConfig, LearnerConfig, ModelConfig
     from learner.actor import LearnerRank
-    from learner.tiny_model import build_tiny_model
+    from data.tiny_model import build_tiny_model
 
     torch.set_num_threads(1)
     path = build_tiny_model(ModelConfig(cache_dir=cache, hidden_size=32, num_layers=1, num_heads=2,

@@ -28,7 +28,7 @@ def main(model_cache: str, out: str) -> None:
     from cluster.phases import grpo_step, warm_up
     from cluster.preflight import ACTOR_ENV, check_resources, resolve_model
     from cluster.roles import start_roles
-    from rollout.datasets import PromptSampler, load_problems
+    from data.datasets import PromptSampler, load_problems
     from tests.helpers import small_overrides
 
     store = 150 * 2**20

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from rollout.datasets import load_problems
+from data.datasets import load_problems
 from rollout.pool import RolloutPool
 
 

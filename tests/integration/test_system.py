@@ -11,7 +11,7 @@ from common.prompt_group import PromptGroup
 from cluster.phases import grpo_step, warm_up
 from common.config import WarmupConfig
 from cluster.roles import evaluate
-from rollout.datasets import PromptSampler, load_problems
+from data.datasets import PromptSampler, load_problems
 from rollout.pool import as_batch
 from helpers import compiled_graphs
 

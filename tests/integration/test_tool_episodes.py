@@ -43,7 +43,7 @@ def tool_model(system_cfg, tmp_path_factory) -> str:
     """The built-in model, trained until greedy decoding reproduces every case's trace."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.tool_formats import TagFormat
+    from common.tool_formats import TagFormat
 
     tokenizer = AutoTokenizer.from_pretrained(system_cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(system_cfg.model.path)

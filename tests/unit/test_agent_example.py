@@ -10,7 +10,7 @@ import pytest
 
 from common.config import DataConfig
 from common.dispatch import add_stats
-from learner.tiny_model import CHAT_TOOL_TAGS, build_tokenizer
+from data.tiny_model import CHAT_TOOL_TAGS, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_warm_up_traces_are_the_ids_the_endpoint_stores_for_the_same_episode(tok
     sends the call back with its result: same ids, same mask, no drift."""
     from rollout.endpoint import _for_template
     from rollout.sessions import SessionStore, plan_turn, record_turn
-    from rollout.traces import agent_calculator_trace
+    from data.traces import agent_calculator_trace
 
     agent, user = _agent(), [{"role": "user", "content": "8253*2020="}]
     trace = agent_calculator_trace(tokenizer, user, agent.TOOLS, "8253*2020", "16671060", ["<|im_end|>"])
@@ -82,8 +82,8 @@ def test_warm_up_traces_are_the_ids_the_endpoint_stores_for_the_same_episode(tok
 
 
 def test_an_agent_run_gives_the_agent_the_conversation_and_warms_up_on_its_rendering(tmp_path, monkeypatch):
-    from rollout.datasets import DataError, arithmetic_problems
-    from rollout.prompts import prepare
+    from data.datasets import DataError, arithmetic_problems
+    from data.prompts import prepare
 
     build_tokenizer(chat_tools=True).save_pretrained(tmp_path / "model")
     rollout = SimpleNamespace(agent="examples.calculator_agent:run", episodes=False)

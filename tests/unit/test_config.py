@@ -406,7 +406,7 @@ def test_lora_settings_resolve_and_refuse_what_cannot_run():
 
 def test_lora_targets_must_name_a_layer_no_narrower_than_the_rank(tmp_path):
     from cluster.preflight import check_lora_targets, lora_targets
-    from learner.tiny_model import build_tiny_model
+    from data.tiny_model import build_tiny_model
 
     cfg = load_config([f"model.cache_dir={tmp_path}"])
     folder = str(build_tiny_model(cfg.model, cfg.trainer.seed, False))

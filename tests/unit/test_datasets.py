@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from rollout.datasets import (
+from common.problem import Problem
+from data.datasets import (
     DataError,
-    Problem,
     PromptSampler,
     arithmetic_problems,
     load_problems,

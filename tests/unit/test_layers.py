@@ -1,5 +1,6 @@
 """The floors of the code base hold: the import contract in .importlinter (cluster/ above the
-roles, the roles above common/, rollout, learner and reward independent, no cycles)."""
+roles and data/, those above common/, rollout, learner, reward and data independent, no roles
+importing data, no cycles)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -12,19 +13,31 @@ def test_import_contract_is_kept():
     proc = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "Contracts: 2 kept, 0 broken." in proc.stdout
+    assert "Contracts: 3 kept, 0 broken." in proc.stdout
+
+
+def _lint_a_copy_with(tmp_path, module: str, line: str):
+    """lint-imports on a copy of the tree where `module` has one more import line."""
+    import shutil
+
+    for package in ("common", "rollout", "learner", "reward", "data", "cluster"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / module).open("a") as f:
+        f.write(f"\n{line}  # noqa\n")
+    lint = Path(sys.executable).parent / "lint-imports"
+    return subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=tmp_path, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
 
 
 def test_a_role_importing_another_role_breaks_the_contract(tmp_path):
     """The contract is not vacuous: a copy of the tree where rollout imports learner fails it."""
-    import shutil
-
-    for package in ("common", "rollout", "learner", "reward", "cluster"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    with (tmp_path / "rollout" / "pool.py").open("a") as f:
-        f.write("\nfrom learner.group import LearnerGroup  # noqa\n")
-    lint = Path(sys.executable).parent / "lint-imports"
-    proc = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=tmp_path, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    proc = _lint_a_copy_with(tmp_path, "rollout/pool.py", "from learner.group import LearnerGroup")
     assert proc.returncode != 0
     assert "rollout.pool -> learner.group" in proc.stdout
+
+
+def test_a_role_importing_data_breaks_the_contract(tmp_path):
+    """Only the driver prepares data: a copy where rollout imports data/ fails the contract."""
+    proc = _lint_a_copy_with(tmp_path, "rollout/pool.py", "from data.datasets import PromptSampler")
+    assert proc.returncode != 0
+    assert "rollout.pool -> data.datasets" in proc.stdout

@@ -1,4 +1,4 @@
-"""What the model sees (rollout/prompts.py): templates, system prompts, the built-in model's chat
+"""What the model sees (data/prompts.py): templates, system prompts, the built-in model's chat
 template through the real `apply_chat_template`, conversational rows, stops, and bad input."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 
 from common.config import DataConfig
-from rollout.datasets import DataError, Problem, load_problems
-from rollout.prompts import render, stop_token_ids, use_chat_template
+from common.problem import Problem
+from data.datasets import DataError, load_problems
+from data.prompts import render, stop_token_ids, use_chat_template
 
 ROW = Problem(prompt="Ann has 3 pens and gets 4 more.", answer="7", fields={"name": "Ann"})
 CONVERSATION = Problem(prompt="2+2=", answer="4", messages=(("system", "Be brief."), ("user", "2+2=")))
@@ -16,7 +17,7 @@ CONVERSATION = Problem(prompt="2+2=", answer="4", messages=(("system", "Be brief
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from learner.tiny_model import build_tokenizer
+    from data.tiny_model import build_tokenizer
 
     return build_tokenizer()
 
@@ -144,8 +145,8 @@ def test_the_built_in_models_tokenizer_loads_as_autotokenizer_loads_it(tmp_path,
     special tokens, chat template and encodings as AutoTokenizer gives."""
     from transformers import AutoTokenizer
 
-    from learner.tiny_model import build_tokenizer
-    from rollout.prompts import load_tokenizer
+    from data.prompts import load_tokenizer
+    from data.tiny_model import build_tokenizer
 
     build_tokenizer(tool_tags).save_pretrained(tmp_path)
     direct, auto = load_tokenizer(str(tmp_path), built_in=True), AutoTokenizer.from_pretrained(tmp_path)
@@ -160,8 +161,8 @@ def test_the_built_in_models_tokenizer_loads_as_autotokenizer_loads_it(tmp_path,
 def test_a_built_in_folder_that_names_no_exported_class_goes_through_autotokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from learner.tiny_model import build_tokenizer
-    from rollout.prompts import load_tokenizer
+    from data.prompts import load_tokenizer
+    from data.tiny_model import build_tokenizer
 
     build_tokenizer().save_pretrained(tmp_path)
     config = tmp_path / "tokenizer_config.json"
@@ -179,7 +180,7 @@ def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path)
     folder of the user's is refused (tests/unit/test_recipes.py)."""
     from cluster.compose import load_config
     from cluster.preflight import is_built_in
-    from learner.tiny_model import tiny_model_dir
+    from data.tiny_model import tiny_model_dir
 
     cfg = load_config([f"model.cache_dir={tmp_path}"])
     cfg.model.path = str(tiny_model_dir(cfg.model, cfg.trainer.seed))  # what resolve_model returns

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from cluster.compose import ConfigError, _check_model, check_gpu_layout, compose_config, load_config, resolve_auto
 from common.config import Config
-from rollout.prompts import use_chat_template
+from data.prompts import use_chat_template
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -75,7 +75,7 @@ def composed(overrides) -> Config:
 
 
 def value(cfg: Config, key: str):
-    if key == "chat template":  # the decision rollout/prompts.py takes for a tokenizer with a template
+    if key == "chat template":  # the decision data/prompts.py takes for a tokenizer with a template
         name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
         return use_chat_template(cfg.data.chat_template, True, False, cfg.data.system_prompt, name)
     node = cfg
@@ -122,7 +122,7 @@ def test_a_user_model_path_with_the_built_in_model_is_refused(tmp_path):
 
 
 def test_the_builder_s_own_folder_is_accepted_with_the_built_in_model(tmp_path):
-    from learner.tiny_model import tiny_model_dir
+    from data.tiny_model import tiny_model_dir
 
     cfg = load_config([f"model.cache_dir={tmp_path}"])
     built = tiny_model_dir(cfg.model, cfg.trainer.seed)

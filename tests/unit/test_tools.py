@@ -10,17 +10,18 @@ import time
 import pytest
 import torch
 
+from common.calculator import ToolError, calculator
 from common.config import ConfigError, RolloutConfig
 from common.prompt_group import PromptGroup
 from common.sandbox import SandboxLimits
+from common.tool_formats import FormatError, HermesFormat, TagFormat, make_format
+from data.datasets import arithmetic_problems
+from data.tiny_model import build_tokenizer
+from data.traces import calculator_trace, with_tool_traces
 from learner.batching import flatten
 from learner.grpo import policy_loss
-from learner.tiny_model import build_tokenizer
 from reward.pool import _fields
-from rollout.tool_formats import FormatError, HermesFormat, TagFormat, make_format
-from rollout.tools import Lanes, ToolBox, ToolError, calculator
-from rollout.traces import calculator_trace, with_tool_traces
-from rollout.datasets import arithmetic_problems
+from rollout.tools import Lanes, ToolBox
 
 
 # --------------------------------------------------------------------------- calculator

@@ -17,7 +17,7 @@ from pathlib import Path
 # The R1 layout tags are single tokens: it keeps completions short for a tiny model, and they are
 # ordinary (not "special") tokens so that vLLM's detokenizer keeps them in the text.
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
-# The tag format's tool call and result (rollout/tool_formats.py), single tokens for the same
+# The tag format's tool call and result (common/tool_formats.py), single tokens for the same
 # reason; only in the model built for runs with tools in that format (adding them to every
 # build changed what the default job learns: the default model stays as it was).
 TOOL_TAGS = ["<tool>", "</tool>", "<result>", "</result>"]

@@ -23,7 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from rollout.datasets import DataError, Problem
+from common.problem import Problem
+from data.datasets import DataError
 
 CHAT_MODEL_NAME = re.compile(r"instruct|chat|-it\b", re.IGNORECASE)
 # End-of-turn tokens of the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3).
@@ -143,7 +144,7 @@ def prepare(data_cfg, model_path: str, model_name: str, splits: Dict[str, Sequen
                                       data_cfg.prompt_key, schemas)
                 for name, rows in splits.items()}
     if fmt is not None:
-        from rollout.traces import with_tool_traces
+        from data.traces import with_tool_traces
 
         rendered = {name: with_tool_traces(rows, fmt, rollout_cfg.tools) for name, rows in rendered.items()}
     first = next((rows[0].prompt for rows in rendered.values() if rows), "")
@@ -167,7 +168,7 @@ def prepare_for_agent(data_cfg, model_path: str, model_name: str, splits: Dict[s
     `tools` attribute (what it sends as `tools=`); with the calculator among them, the built-in
     multiplication rows get warm-up traces that call it in the template's format."""
     from common.plugins import load_function
-    from rollout.traces import agent_calculator_trace
+    from data.traces import agent_calculator_trace
 
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"rollout.agent: the tokenizer of {model_name} has no chat template, which the endpoint "
@@ -236,7 +237,7 @@ def _tool_setup(rollout_cfg, tokenizer, chat: bool):
     hermes format under a chat template, the tools' schemas for the template."""
     if rollout_cfg is None or not rollout_cfg.episodes:
         return None, None
-    from rollout.tool_formats import FormatError, make_format, tool_schemas
+    from common.tool_formats import FormatError, make_format, tool_schemas
 
     try:
         fmt = make_format(rollout_cfg.tool_format, tokenizer)

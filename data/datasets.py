@@ -14,17 +14,16 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from common.answers import extract_answer
+from common.problem import Problem
 from common.seeds import epoch_seed
 
 if TYPE_CHECKING:
     from common.config import DataConfig
 
 __all__ = [
-    "Problem",
     "DataError",
     "solve_addition",
     "arithmetic_problems",
@@ -39,22 +38,6 @@ _ENUMERATE_MAX_PAIRS = 10_000
 # "1,234" / "-12,345.5": a plain number written with thousands separators.
 _THOUSANDS_NUMBER = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
-    solution: Optional[str] = None
-    """A target completion for the supervised warm-up, when known."""
-    fields: Dict[str, Any] = field(default_factory=dict, hash=False)
-    """The row's other columns, passed to the verifiers (`tests` for code, `language`, ...)."""
-    messages: Optional[Tuple[Tuple[str, str], ...]] = None
-    """A conversational row's (role, content) messages; `prompt` is then its last user
-    message until rollout/prompts.py renders the row into the text the model sees."""
-    warmup_prompt: Optional[str] = None
-    """The text the warm-up trains after, when it is not `prompt`: in agent runs the agent gets
-    the conversation and the endpoint renders it, so the warm-up takes that rendering."""
 
 
 class Splits(NamedTuple):
@@ -104,7 +87,7 @@ def _addition_problem(a: int, b: int) -> Problem:
 
 
 def _multiplication_problem(a: int, b: int) -> Problem:
-    """`a*b=`; its warm-up target is the bare answer (rollout/traces.py replaces it with a
+    """`a*b=`; its warm-up target is the bare answer (data/traces.py replaces it with a
     calculator call when the run has the tool). `expression` is what a tool would compute."""
     return Problem(prompt=f"{a}*{b}=", answer=str(a * b), solution=f"<think></think><answer>{a * b}</answer>",
                    fields={"expression": f"{a}*{b}"})

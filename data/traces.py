@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Sequence, Tuple
 
-from rollout.datasets import Problem
-from rollout.tools import calculator
+from common.calculator import calculator
+from common.problem import Problem
 
 Trace = Tuple[Tuple[str, bool], ...]
 
