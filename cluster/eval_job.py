@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from common.config import Config
+from common.config import Config, freeze
 
 EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
 
@@ -86,6 +86,7 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     from rollout.pool import RolloutPool
 
     started = time.time()
+    freeze(cfg)  # what the job resolves goes into a copy (preflight.run_config)
     roles = ("rollout", "reward")  # no learner
     problems = load_eval_problems(cfg.data, cfg.trainer.seed)
     check_local_resources(cfg, roles)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from cluster.placement import ROLES, check
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, freeze
 from common.messages import PromptInfo, ResolvedInputs
 
 # Quiet, reproducible actors: the progress bar is the run's voice, errors still propagate.
@@ -81,14 +81,14 @@ def prepare_prompts(cfg: Config, model_path: str, heldout, train_set):
 def run_config(cfg: Config, inputs: ResolvedInputs, run_name: str, threads: Optional[ThreadPlan] = None) -> Config:
     """`cfg` with what the run resolved filled in, as a new config (the validated one is never
     written): the model folder, the stops, the run's name and the CPU threads. The roles are
-    started with it and config.yaml records it."""
+    started with it and config.yaml records it; it is read-only as well."""
     learner, rollout = cfg.learner, cfg.rollout
     if threads is not None:
         learner = replace(learner, num_threads=threads.learner)
         rollout = replace(rollout, num_threads=threads.rollout)
-    return replace(cfg, model=replace(cfg.model, path=inputs.model_path),
-                   rollout=replace(rollout, stop_token_ids=list(inputs.stop_token_ids)),
-                   learner=learner, trainer=replace(cfg.trainer, run_name=run_name))
+    return freeze(replace(cfg, model=replace(cfg.model, path=inputs.model_path),
+                          rollout=replace(rollout, stop_token_ids=list(inputs.stop_token_ids)),
+                          learner=learner, trainer=replace(cfg.trainer, run_name=run_name)))
 
 
 def show_prompt(run_dir: Path, prompts: PromptInfo, started: float) -> None:

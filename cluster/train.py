@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
 from common import heap
-from common.config import Config
+from common.config import Config, freeze
 from common.messages import StepRecord, TrainerState
 
 if TYPE_CHECKING:  # imported once the inputs are checked (train): bad input answers before Ray is imported
@@ -27,6 +27,7 @@ def train(cfg: Config) -> Dict[str, object]:
     from rollout.datasets import load_problems
 
     started = time.time()
+    freeze(cfg)  # what the run resolves goes into a copy (preflight.run_config); a write here is a bug
     # The imports (torch, transformers) trigger full collections that walk the whole heap again
     # and again (common/heap.py).
     with heap.without_full_collections():

@@ -82,3 +82,24 @@ def test_device_defaults_are_resolved_into_a_new_config():
     resolved = resolve_auto(cfg)
     assert cfg == before and cfg.rollout.dtype == "auto"
     assert (resolved.rollout.dtype, resolved.rollout.enforce_eager) == ("float32", True)  # CPU engines
+
+
+def test_a_frozen_config_refuses_writes_and_its_copies_do_not():
+    import dataclasses
+    import pickle
+
+    import pytest
+
+    from common.config import freeze
+
+    cfg = freeze(Config())
+    for write in (lambda: setattr(cfg.model, "path", "/elsewhere"), lambda: setattr(cfg.learner.lora, "rank", 8),
+                  lambda: setattr(cfg, "model", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            write()
+    assert cfg.model.path is None and cfg.learner.lora.rank == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):  # as an actor receives it
+        pickle.loads(pickle.dumps(cfg.rollout)).dtype = "float32"
+    copy = dataclasses.replace(cfg.model, path="/elsewhere")
+    copy.path = "/there"
+    assert copy.path == "/there" and copy == dataclasses.replace(cfg.model, path="/there")
