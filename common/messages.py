@@ -40,7 +40,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class PromptInfo:
-    """How the prompts were rendered (data/prompts' `prepare`): what a run prints and saves
+    """How the prompts were rendered (the prompts module's `prepare`): what a run prints and saves
     (prompt_example.txt) and the warm-up's end of turn."""
     chat_template: bool                    # whether the chat template was applied
     first_prompt: str                      # the first training row as the model sees it
