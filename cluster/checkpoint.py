@@ -29,8 +29,11 @@ import os
 import random
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from common.messages import TrainerState
 
 FOLDER = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -146,7 +149,7 @@ def restore_driver_rng(state: Dict[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def save_checkpoint(run_dir: Path, step: int, learner, trainer_state: Dict[str, Any], keep: int,
+def save_checkpoint(run_dir: Path, step: int, learner, trainer_state: TrainerState, keep: int,
                     extra: Optional[Dict[str, bytes]] = None) -> Path:
     """Write checkpoint `step` atomically; keep only the newest `keep` (0: all). `extra`: more
     files of the driver's (name: bytes), part of the manifest. An OSError of the write (a full
@@ -160,7 +163,7 @@ def save_checkpoint(run_dir: Path, step: int, learner, trainer_state: Dict[str, 
         for name, data in (extra or {}).items():
             with (tmp / name).open("wb") as handle:
                 handle.write(data)
-        _write_synced(tmp / STATE_FILE, json.dumps({**trainer_state, "rng": driver_rng_state()}))
+        _write_synced(tmp / STATE_FILE, replace(trainer_state, rng=driver_rng_state()).to_json())
         _write_synced(tmp / MANIFEST, json.dumps({"step": step, "files": _sizes(tmp)}))
         _sync_folder(tmp)
     except OSError as exc:
@@ -217,8 +220,8 @@ def _sync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-def load_trainer_state(checkpoint: Path) -> Dict[str, Any]:
-    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+def load_trainer_state(checkpoint: Path) -> TrainerState:
+    return TrainerState.from_json((Path(checkpoint) / STATE_FILE).read_text())
 
 
 def export_checkpoint(checkpoint: str, folder: str, merged: bool = False) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -132,24 +132,25 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(str(exc).splitlines()[0]) from exc
     assert isinstance(config, Config)
     validate(config)
-    resolve_auto(config)
-    return config
+    return resolve_auto(config)
 
 
-def resolve_auto(cfg: Config) -> None:
-    """Settings whose default depends on the device: the rollout's dtype, CUDA graphs and
-    seeded sampling."""
+def resolve_auto(cfg: Config) -> Config:
+    """`cfg` with the settings whose default depends on the device resolved, as a new config
+    (`cfg` is left as it is): the rollout's dtype, CUDA graphs, seeded sampling and the rank
+    of the adapters the engines serve."""
     from rollout.worker import sampling_is_seeded
 
-    on_gpu = cfg.rollout.num_gpus_per_worker > 0
-    cfg.rollout.seeded_sampling = sampling_is_seeded(cfg.rollout.seeded_sampling, on_gpu)
-    if cfg.rollout.dtype == "auto":
-        cfg.rollout.dtype = "bfloat16" if on_gpu else "float32"
-    if cfg.rollout.enforce_eager is None:
-        cfg.rollout.enforce_eager = not on_gpu
-    lora = cfg.learner.lora
-    if cfg.rollout.max_lora_rank == 0 and lora.rank and lora.push == "adapter":
-        cfg.rollout.max_lora_rank = next(r for r in LORA_RANKS if r >= lora.rank)
+    rollout, lora = cfg.rollout, cfg.learner.lora
+    on_gpu = rollout.num_gpus_per_worker > 0
+    max_lora_rank = rollout.max_lora_rank
+    if max_lora_rank == 0 and lora.rank and lora.push == "adapter":
+        max_lora_rank = next(r for r in LORA_RANKS if r >= lora.rank)
+    return replace(cfg, rollout=replace(
+        rollout, seeded_sampling=sampling_is_seeded(rollout.seeded_sampling, on_gpu),
+        dtype=("bfloat16" if on_gpu else "float32") if rollout.dtype == "auto" else rollout.dtype,
+        enforce_eager=not on_gpu if rollout.enforce_eager is None else rollout.enforce_eager,
+        max_lora_rank=max_lora_rank))
 
 
 def check_gpu_layout(cfg: Config, cluster_gpus: float, learner_gpus: Optional[float] = None) -> None:

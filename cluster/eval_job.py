@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from common.config import Config
+from common.config import Config, freeze
 
 EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
 
@@ -79,22 +79,23 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     from cluster.evaluation import format_table
     from cluster.placement import Placement
     from cluster.preflight import (ACTOR_ENV, check_local_resources, check_resources, make_run_dir, prepare_prompts,
-                                   resolve_model, say, show_prompt)
+                                   resolve_model, run_config, run_name, say, show_prompt)
     from common.ray_utils import init_ray
     from reward.pool import VerifierPool
     from data.datasets import load_eval_problems
     from rollout.pool import RolloutPool
 
     started = time.time()
+    freeze(cfg)  # what the job resolves goes into a copy (preflight.run_config)
     roles = ("rollout", "reward")  # no learner
     problems = load_eval_problems(cfg.data, cfg.trainer.seed)
     check_local_resources(cfg, roles)
-    cfg.model.path = resolve_model(cfg)
-    problems, _, prompts = prepare_prompts(cfg, problems, [])
+    problems, _, inputs = prepare_prompts(cfg, resolve_model(cfg), problems, [])
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
     check_resources(cfg, roles)
+    cfg = run_config(cfg, inputs, run_name(cfg))  # the validated config is left as it is
     run_dir = make_run_dir(cfg)
-    show_prompt(run_dir, prompts, started)
+    show_prompt(run_dir, inputs.prompts, started)
     placement = Placement(cfg, cfg.cluster.placement_timeout_s, roles)
     rollout = verifiers = None
     try:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional, Tuple
 
 from cluster.preflight import say
 from cluster.roles import Roles, evaluate
 from common.config import Config
-from common.messages import RestartEvent, StepRecord
+from common.messages import RestartEvent, StepRecord, TrainerState
 from common.seeds import warmup_seed
 
 
@@ -124,22 +124,21 @@ def find_resume_point(cfg: Config) -> Optional[Path]:
     return found
 
 
-def resume(roles: Roles, checkpoint: Path, sampler) -> Dict[str, object]:
+def resume(roles: Roles, checkpoint: Path, sampler) -> Tuple[TrainerState, list]:
     """Learner state, prompt position and RNGs from `checkpoint`; the generation workers get
-    the restored weights (and its policy version) before they generate anything. In async
-    mode the batches made ahead of the learner come back too, as `state["ahead"]`."""
+    the restored weights (and its policy version) before they generate anything. Returns the
+    checkpoint's trainer state and, in async mode, the batches made ahead of the learner."""
     from cluster.batches import AHEAD_FILE, thaw
     from cluster.checkpoint import load_trainer_state, restore_driver_rng
 
     state = load_trainer_state(checkpoint)
     roles.learner.call("load_checkpoint", str(checkpoint))
     roles.channel.refresh_spec()  # a LoRA checkpoint's policy pushes its base, then adapters
-    sampler.load_state_dict(state["sampler"])
-    restore_driver_rng(state["rng"])
-    roles.channel.push(state["policy_version"])
+    sampler.load_state_dict(state.sampler)
+    restore_driver_rng(state.rng)
+    roles.channel.push(state.policy_version)
     ahead = Path(checkpoint) / AHEAD_FILE
-    state["ahead"] = thaw(ahead.read_bytes()) if ahead.exists() else []
-    return state
+    return state, thaw(ahead.read_bytes()) if ahead.exists() else []
 
 
 def resume_hint(cfg: Config, run_dir: Path) -> str:

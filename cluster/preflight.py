@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Optional
 
 from cluster.placement import ROLES, check
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, freeze
+from common.messages import PromptInfo, ResolvedInputs
 
 # Quiet, reproducible actors: the progress bar is the run's voice, errors still propagate.
 ACTOR_ENV = {
@@ -46,42 +48,60 @@ def resolve_model(cfg: Config) -> str:
     return folder
 
 
-def is_built_in(cfg: Config) -> bool:
-    """Whether `model.path` (once resolved) is the built-in model's folder, written by this
-    project's builder for this config, rather than a folder or hub id the user named."""
+def is_built_in(cfg: Config, model_path: Optional[str] = None) -> bool:
+    """Whether `model_path` (the resolved model.path; by default `cfg.model.path`) is the
+    built-in model's folder, written by this project's builder for this config, rather than a
+    folder or hub id the user named."""
     from data.tiny_model import tiny_model_dir, variant
 
-    return cfg.model.name == "tiny" and bool(cfg.model.path) and \
-        Path(cfg.model.path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
+    path = cfg.model.path if model_path is None else model_path
+    return cfg.model.name == "tiny" and bool(path) and \
+        Path(path) == tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
 
 
-def prepare_prompts(cfg: Config, heldout, train_set):
+def prepare_prompts(cfg: Config, model_path: str, heldout, train_set):
     """Every row rendered into the text the model sees (prompt template, system prompt, chat
-    template); the stops that end a turn join rollout.stop_token_ids."""
+    template) by the model at `model_path` (resolve_model's answer); returns the rendered
+    splits and the run's resolved inputs, whose stops join rollout.stop_token_ids and the
+    stops that end a turn (the config itself is left as validated)."""
     from data.prompts import prepare
 
-    name = cfg.model.path if cfg.model.name == "hf" else cfg.model.name
-    rendered, info = prepare(cfg.data, cfg.model.path, name, {"train": train_set, "eval": heldout}, cfg.rollout,
-                             built_in=is_built_in(cfg))
-    cfg.rollout.stop_token_ids = sorted(set(cfg.rollout.stop_token_ids) | set(info["stop_token_ids"]))
-    tokens, where = info["longest_prompt"]
+    name = model_path if cfg.model.name == "hf" else cfg.model.name
+    rendered, info = prepare(cfg.data, model_path, name, {"train": train_set, "eval": heldout}, cfg.rollout,
+                             built_in=is_built_in(cfg, model_path))
+    prompts = PromptInfo.from_dict(info)
+    tokens, where = prompts.longest_prompt
     if tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:
         raise ConfigError(f"the longest prompt ({where}, {tokens} tokens as rendered) plus rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens} exceeds rollout.max_model_len={cfg.rollout.max_model_len}")
-    return rendered["eval"], rendered["train"], info
+    stops = tuple(sorted(set(cfg.rollout.stop_token_ids) | set(prompts.stop_token_ids)))
+    return rendered["eval"], rendered["train"], ResolvedInputs(model_path, stops, prompts)
 
 
-def show_prompt(run_dir: Path, prompts: Dict[str, object], started: float) -> None:
+def run_config(cfg: Config, inputs: ResolvedInputs, run_name: str, threads: Optional[ThreadPlan] = None) -> Config:
+    """`cfg` with what the run resolved filled in, as a new config (the validated one is never
+    written): the model folder, the stops, the run's name and the CPU threads. The roles are
+    started with it and config.yaml records it; it is read-only as well."""
+    learner, rollout = cfg.learner, cfg.rollout
+    if threads is not None:
+        learner = replace(learner, num_threads=threads.learner)
+        rollout = replace(rollout, num_threads=threads.rollout)
+    return freeze(replace(cfg, model=replace(cfg.model, path=inputs.model_path),
+                          rollout=replace(rollout, stop_token_ids=list(inputs.stop_token_ids)),
+                          learner=learner, trainer=replace(cfg.trainer, run_name=run_name)))
+
+
+def show_prompt(run_dir: Path, prompts: PromptInfo, started: float) -> None:
     """What the model sees for the first training row, printed and saved as prompt_example.txt."""
-    how = "chat template applied" if prompts["chat_template"] else "no chat template"
-    stops = ", ".join(prompts["stop_tokens"])
-    (run_dir / "prompt_example.txt").write_text(prompts["first_prompt"])
-    text = prompts["first_prompt"]
+    how = "chat template applied" if prompts.chat_template else "no chat template"
+    stops = ", ".join(prompts.stop_tokens)
+    (run_dir / "prompt_example.txt").write_text(prompts.first_prompt)
+    text = prompts.first_prompt
     shown = text if len(text) <= 600 else text[:600] + f"... ({len(text)} characters)"
     say(f"the first training prompt as the model sees it ({how}; a completion stops at {stops}):\n"
         f"{shown}\n---", started)
-    if prompts.get("tools"):
-        say(prompts["tools"], started)
+    if prompts.tools:
+        say(prompts.tools, started)
 
 
 def check_inputs(cfg: Config, train_set) -> None:
@@ -150,9 +170,18 @@ def node_cpus() -> int:
     return min([c for c in counts if c > 0], default=1)
 
 
-def plan_threads(cfg: Config, cpus: int) -> Optional[str]:
-    """Fill learner.num_threads and rollout.num_threads left at 0 (auto) for roles on CPUs, and
-    return the line that says what each role got (None when every role is on GPUs).
+@dataclass(frozen=True)
+class ThreadPlan:
+    """CPU threads per learner rank and per vLLM engine (learner/rollout.num_threads resolved)."""
+    learner: int
+    rollout: int
+    line: str
+    """What each role got, in one line for the run's output."""
+
+
+def plan_threads(cfg: Config, cpus: int) -> Optional[ThreadPlan]:
+    """learner.num_threads and rollout.num_threads, those left at 0 (auto) filled for roles on
+    CPUs, and the line that says what each role got (None when every role is on GPUs).
 
     Sync mode: generation, scoring and training take turns, so the phase that runs gets every
     CPU: each of the R learner ranks max(1, cpus // R) threads, each of the E engines
@@ -168,15 +197,16 @@ def plan_threads(cfg: Config, cpus: int) -> Optional[str]:
         share_learner = share_engine = max(1, cpus // (ranks + engines))
     else:
         share_learner, share_engine = max(1, cpus // max(ranks, 1)), max(1, cpus // max(engines, 1))
+    learner_threads = (learner.num_threads or share_learner) if ranks else learner.num_threads
+    rollout_threads = (rollout.num_threads or share_engine) if engines else rollout.num_threads
     parts = []
     if ranks:
-        learner.num_threads = learner.num_threads or share_learner
-        parts.append(f"{ranks} learner ranks x {learner.num_threads}")
+        parts.append(f"{ranks} learner ranks x {learner_threads}")
     if engines:
-        rollout.num_threads = rollout.num_threads or share_engine
-        parts.append(f"{engines} vLLM engines x {rollout.num_threads}")
+        parts.append(f"{engines} vLLM engines x {rollout_threads}")
     turns = "the phases take turns" if cfg.trainer.mode == "sync" else "generation and training at once"
-    return f"CPU threads: {', '.join(parts)} ({cfg.trainer.mode} mode: {turns} on {cpus} CPUs per node)"
+    return ThreadPlan(learner_threads, rollout_threads,
+                      f"CPU threads: {', '.join(parts)} ({cfg.trainer.mode} mode: {turns} on {cpus} CPUs per node)")
 
 
 def check_model_length(cfg: Config, folder: str) -> None:
@@ -222,9 +252,13 @@ def check_lora_targets(cfg: Config, folder: str) -> None:
                           f"use a rank of at most {min(dims)}")
 
 
+def run_name(cfg: Config) -> str:
+    """trainer.run_name, or by default one from the time it is asked."""
+    return cfg.trainer.run_name or time.strftime("grpo-%Y%m%d-%H%M%S")
+
+
 def make_run_dir(cfg: Config) -> Path:
-    if not cfg.trainer.run_name:
-        cfg.trainer.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
+    """The run folder of `cfg` (a run_config: its run_name is set), with the config.yaml of it."""
     run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
     if (run_dir / "metrics.jsonl").exists() and cfg.trainer.resume is None:
         # Never overwrite what a finished or running job produced.

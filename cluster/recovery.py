@@ -37,12 +37,12 @@ def recover_learner(run, step: int, error: Exception) -> int:
     run.stop_batches()  # an async batch thread finishes its batch with the generation workers
     run.roles.restart_learner(cfg)
     run.buffer = RolloutBuffer()  # what the failed step had put there is trained again, from the batch
-    state = resume(run.roles, last, run.sampler)
-    back = state["step"]
-    run.version = state["policy_version"]
+    state, ahead = resume(run.roles, last, run.sampler)
+    back = state.step
+    run.version = state.policy_version
     run.logger.rewind(back)
     run.samples.rewind(back)
-    run.batches = make_batches(cfg, run.roles, run.sampler, back + 1, state["ahead"])
+    run.batches = make_batches(cfg, run.roles, run.sampler, back + 1, ahead)
     run.learner_restarts += 1
     during = str(error).split(" during ")[1].split(" ")[0] if " during " in str(error) else None
     cause = death_cause(error.__cause__) if error.__cause__ is not None else str(error)

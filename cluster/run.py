@@ -6,16 +6,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional, Union
+from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 from cluster.buffer import RolloutBuffer
-from cluster.preflight import ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, say, show_prompt
+from cluster.preflight import (ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, run_config, run_name,
+                               say, show_prompt)
 from cluster.roles import Roles, start_roles
 from cluster.samples import SampleLog
 from common.config import Config
+from common.messages import ResolvedInputs
 
 if TYPE_CHECKING:
-    from cluster.batches import AsyncBatches, SyncBatches
+    from cluster.batches import AsyncBatches, Batch, SyncBatches
     from cluster.metrics import MetricsLogger
     from data.datasets import PromptSampler
 
@@ -23,6 +25,11 @@ if TYPE_CHECKING:
 @dataclass
 class Run:
     cfg: Config
+    """The run's config: the validated one until `start`, then a copy of it with what the run
+    resolved filled in (preflight.run_config), which the roles get and config.yaml records. The
+    validated config itself is never written."""
+    inputs: ResolvedInputs
+    """The model folder, the stops and the rendered prompts' info (preflight.prepare_prompts)."""
     started: float = field(default_factory=time.time)
     run_dir: Optional[Path] = None
     roles: Optional[Roles] = None
@@ -39,18 +46,18 @@ class Run:
     """Held-out greedy accuracy GRPO started from."""
     samples: Optional[SampleLog] = None
     """The SampleLog (samples.jsonl: which samples each step trained on)."""
-    ahead: list = field(default_factory=list)
+    ahead: List[Tuple[int, Batch]] = field(default_factory=list)
     """Async mode, resumed: the (step, Batch) pairs the checkpoint saved as made ahead."""
     learner_restarts: int = 0
     """Times the learner group was rebuilt after losing a rank (cluster/recovery.py)."""
-    checkpoint_seconds: list = field(default_factory=list)
+    checkpoint_seconds: List[float] = field(default_factory=list)
     """Seconds of each checkpoint written (the summary reports their count and sum)."""
 
     def say(self, message: str) -> None:
         say(message, self.started)
 
-    def start(self, prompts: Dict[str, object]) -> None:
-        """Ray, the run folder, the actors of every role."""
+    def start(self) -> None:
+        """Ray, the run's config, its folder, the actors of every role."""
         from cluster.exits import watch_sigterm
         from common.ray_utils import init_ray
 
@@ -62,9 +69,10 @@ class Run:
         check_resources(cfg)  # a request the cluster cannot hold would otherwise wait forever
         threads = plan_threads(cfg, node_cpus())
         if threads:
-            self.say(threads)
+            self.say(threads.line)
+        self.cfg = cfg = run_config(cfg, self.inputs, run_name(cfg), threads)
         self.run_dir = make_run_dir(cfg)
-        show_prompt(self.run_dir, prompts, self.started)
+        show_prompt(self.run_dir, self.inputs.prompts, self.started)
         self.roles = start_roles(cfg)
         self.say(f"actors ready: {cfg.rollout.num_workers} vLLM workers, {cfg.reward.num_workers} verifiers, "
                  f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks")

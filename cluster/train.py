@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
 from common import heap
-from common.config import Config
-from common.messages import StepRecord
+from common.config import Config, freeze
+from common.messages import StepRecord, TrainerState
 
 if TYPE_CHECKING:  # imported once the inputs are checked (train): bad input answers before Ray is imported
     from cluster.run import Run
@@ -27,23 +27,24 @@ def train(cfg: Config) -> Dict[str, object]:
     from data.datasets import load_problems
 
     started = time.time()
+    freeze(cfg)  # what the run resolves goes into a copy (preflight.run_config); a write here is a bug
     # The imports (torch, transformers) trigger full collections that walk the whole heap again
     # and again (common/heap.py).
     with heap.without_full_collections():
         heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
         check_inputs(cfg, train_set)
-        cfg.model.path = resolve_model(cfg)  # a missing model folder answers before Ray's import
+        model_path = resolve_model(cfg)  # a missing model folder answers before Ray's import
         check_local_resources(cfg)
-        heldout, train_set, prompts = prepare_prompts(cfg, heldout, train_set)  # bad templates fail before Ray
+        heldout, train_set, inputs = prepare_prompts(cfg, model_path, heldout, train_set)  # bad templates: before Ray
         # Ray's import only now: bad input of any kind answers without it.
         from cluster.phases import find_resume_point
         from cluster.run import Run
 
         resume_from = find_resume_point(cfg)
-    run = Run(cfg, started=started)
+    run = Run(cfg, inputs, started=started)
     try:
-        run.start(prompts)
-        first_step = begin(run, train_set, heldout, prompts, resume_from)
+        run.start()
+        first_step = begin(run, train_set, heldout, resume_from)
         run.open_logger(first_step)
         run_steps(run, first_step, heldout)
         summary = finish(run, heldout)
@@ -53,7 +54,7 @@ def train(cfg: Config) -> Dict[str, object]:
     return summary
 
 
-def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) -> int:
+def begin(run: Run, train_set, heldout, resume_from: Optional[Path]) -> int:
     """The warm-up and the accuracy GRPO starts from, or the state of the checkpoint resumed
     from; returns the first GRPO step."""
     from cluster.phases import resume, warm_up
@@ -63,17 +64,17 @@ def begin(run: Run, train_set, heldout, prompts, resume_from: Optional[Path]) ->
     cfg = run.cfg
     run.sampler = PromptSampler(train_set, cfg.trainer.seed)
     if resume_from is None:
-        run.version = warm_up(run.roles, cfg, train_set, prompts["turn_end_ids"])
+        end_ids = run.inputs.prompts.turn_end_ids
+        run.version = warm_up(run.roles, cfg, train_set, list(end_ids) if end_ids else None)
         run.accuracy_before = evaluate(run.roles, heldout)
         run.say(f"held-out greedy accuracy after warm-up: {run.accuracy_before:.1%}")
         if cfg.trainer.max_restarts:  # a learner lost before the first scheduled save comes back to here
             checkpoint(run, 0)
         return 1
-    state = resume(run.roles, resume_from, run.sampler)
-    run.version, run.accuracy_before = state["policy_version"], state["accuracy_before"]
-    run.ahead = state["ahead"]
-    run.say(f"resumed from {resume_from} (step {state['step']}, policy version {run.version})")
-    return state["step"] + 1
+    state, run.ahead = resume(run.roles, resume_from, run.sampler)
+    run.version, run.accuracy_before = state.policy_version, state.accuracy_before
+    run.say(f"resumed from {resume_from} (step {state.step}, policy version {run.version})")
+    return state.step + 1
 
 
 def run_steps(run: Run, first_step: int, heldout) -> None:
@@ -150,10 +151,10 @@ def checkpoint(run: Run, step: int) -> None:
     cfg = run.cfg
     started = time.perf_counter()
     ahead, sampler = run.batches.ahead_state() if run.batches is not None else ([], run.sampler.state_dict())
-    save_checkpoint(run.run_dir, step, run.roles.learner, {
-        "step": step, "policy_version": run.version, "sampler": sampler,
-        "accuracy_before": run.accuracy_before, "seed": cfg.trainer.seed,
-    }, cfg.trainer.keep_checkpoints, extra={AHEAD_FILE: freeze(ahead)} if ahead else None)
+    state = TrainerState(step=step, policy_version=run.version, sampler=sampler, accuracy_before=run.accuracy_before,
+                         seed=cfg.trainer.seed)
+    save_checkpoint(run.run_dir, step, run.roles.learner, state, cfg.trainer.keep_checkpoints,
+                    extra={AHEAD_FILE: freeze(ahead)} if ahead else None)
     run.checkpoint_seconds.append(time.perf_counter() - started)
 
 

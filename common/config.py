@@ -10,7 +10,7 @@ instant and happen before any actor starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 
@@ -36,7 +36,30 @@ def at_least(key: str, value: float, minimum: float) -> None:
         raise ConfigError(f"{key} must be at least {minimum} (got {value})")
 
 
-class Section:
+class Freezable:
+    """A config node that `freeze` makes refuse every write: a run's validated config stays what
+    the user asked for, and what the run resolves is returned and put in a copy
+    (cluster/preflight.run_config), never written into it. Lists and dicts in it stay mutable."""
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise FrozenInstanceError(f"cannot assign to field '{name}' of {type(self).__name__}: the config is "
+                                      "read-only once a run has it; build a copy with dataclasses.replace")
+        object.__setattr__(self, name, value)
+
+
+def freeze(config: Any) -> Any:
+    """`config` and every section in it made read-only (in place); returns it."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, Freezable):
+            freeze(value)
+    object.__setattr__(config, "_frozen", True)
+    return config
+
+
+class Section(Freezable):
     """A config section: `check(name)` raises ConfigError for a value it cannot run with."""
 
     def check(self, name: str) -> None:
@@ -687,7 +710,7 @@ class LoggerConfig(Section):
 
 
 @dataclass
-class Config:
+class Config(Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

@@ -1,7 +1,8 @@
 """What crosses a boundary between the run's parts, as types rather than dicts of agreed keys."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 
@@ -33,3 +34,56 @@ class StepRecord:
     @property
     def policy_version(self) -> int:
         return self.metrics["policy_version"]
+
+
+# The driver's own state: what a run resolved before its roles start, and what a checkpoint keeps.
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """How the prompts were rendered (the prompts module's `prepare`): what a run prints and saves
+    (prompt_example.txt) and the warm-up's end of turn."""
+    chat_template: bool                    # whether the chat template was applied
+    first_prompt: str                      # the first training row as the model sees it
+    stop_token_ids: Tuple[int, ...]        # the tokenizer's and the chat format's stops
+    stop_tokens: Tuple[str, ...]           # those stops as tokens, for the run's output
+    longest_prompt: Tuple[int, str]        # (tokens, "train row 7") of the longest rendered prompt
+    turn_end_ids: Optional[Tuple[int, ...]] = None  # the chat format's end of turn; None: the EOS
+    tools: Optional[str] = None            # how episodes run (tools, agent), for the output
+
+    @classmethod
+    def from_dict(cls, info: Dict[str, Any]) -> "PromptInfo":
+        turn_end = info.get("turn_end_ids")
+        tokens, where = info["longest_prompt"]
+        return cls(chat_template=bool(info["chat_template"]), first_prompt=info["first_prompt"],
+                   stop_token_ids=tuple(info["stop_token_ids"]), stop_tokens=tuple(info["stop_tokens"]),
+                   longest_prompt=(tokens, where), turn_end_ids=tuple(turn_end) if turn_end else None,
+                   tools=info.get("tools"))
+
+
+@dataclass(frozen=True)
+class ResolvedInputs:
+    """What the driver resolved from the validated config before any actor starts, returned
+    rather than written into that config: the roles get a copy of the config with these filled
+    in (cluster/preflight.run_config)."""
+    model_path: str                 # the model folder (built for the built-in model) or hub id
+    stop_token_ids: Tuple[int, ...] # rollout.stop_token_ids joined with the prompts' stops, sorted
+    prompts: PromptInfo
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The driver's part of a checkpoint, trainer_state.json (cluster/checkpoint.py). The file's
+    keys are these fields in this order."""
+    step: int
+    policy_version: int = 0
+    sampler: Dict[str, Any] = field(default_factory=dict)  # the PromptSampler's state_dict
+    accuracy_before: float = 0.0    # held-out greedy accuracy GRPO started from
+    seed: int = 0                   # trainer.seed of the run that wrote it
+    rng: Optional[Dict[str, Any]] = None  # the driver's Python/NumPy/torch RNG states
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainerState":
+        return cls(**json.loads(text))

@@ -18,6 +18,7 @@ import pytest
 
 from cluster.checkpoint import (MANIFEST, STATE_FILE, CheckpointError, checkpoint_path, complete_checkpoints,
                                 latest_checkpoint, save_checkpoint, skipped_line)
+from common.messages import TrainerState
 
 LEARNER = textwrap.dedent('''
     import os, time
@@ -58,7 +59,7 @@ def learner_module(tmp_path, monkeypatch):
 
 
 def _save(run_dir, step, learner, keep=0):
-    return save_checkpoint(run_dir, step, learner, {"step": step}, keep)
+    return save_checkpoint(run_dir, step, learner, TrainerState(step), keep)
 
 
 def _state_step(folder: Path) -> int:
@@ -77,8 +78,8 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_the_one_resume_tak
     previous = _save(tmp_path, 4, learner_module.FileLearner())
     marker = tmp_path / "mid-write"
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from file_learner import FileLearner; "
-              f"from cluster.checkpoint import save_checkpoint; "
-              f"save_checkpoint({str(tmp_path)!r}, 6, FileLearner(chunks=20, marker={str(marker)!r}), {{'step': 6}}, 0)")
+              f"from cluster.checkpoint import save_checkpoint; from common.messages import TrainerState; "
+              f"save_checkpoint({str(tmp_path)!r}, 6, FileLearner(chunks=20, marker={str(marker)!r}), TrainerState(6), 0)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     writer = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:
@@ -159,10 +160,11 @@ PREEMPTED = textwrap.dedent('''
     sys.path.insert(0, run_dir)
     from cluster import exits
     from cluster.checkpoint import save_checkpoint
+    from common.messages import TrainerState
     from file_learner import FileLearner
 
     def command():
-        save_checkpoint(run_dir, 4, FileLearner(), {"step": 4}, 0)
+        save_checkpoint(run_dir, 4, FileLearner(), TrainerState(4), 0)
         if before_steps:
             open(run_dir + "/ready", "w").close()
             time.sleep(60)  # the warm-up, say
@@ -170,7 +172,7 @@ PREEMPTED = textwrap.dedent('''
             open(run_dir + "/ready", "w").close()
             while not exits.stop_requested():  # a step that is running when SIGTERM comes
                 time.sleep(0.01)
-            save_checkpoint(run_dir, 6, FileLearner(chunks=20, marker=run_dir + "/mid-write"), {"step": 6}, 0)
+            save_checkpoint(run_dir, 6, FileLearner(chunks=20, marker=run_dir + "/mid-write"), TrainerState(6), 0)
         return 0
 
     sys.exit(exits.guarded(command))
@@ -211,3 +213,19 @@ def test_sigterm_before_the_steps_stops_at_once_with_143(tmp_path, learner_modul
     assert proc.returncode == 143
     assert err.strip().splitlines()[-1] == ("grpo: stopped by SIGTERM before the GRPO steps began; everything the "
                                             "run started has been stopped (nothing to save yet: run it again)")
+
+
+def test_trainer_state_keeps_the_files_keys_and_their_order(tmp_path, learner_module):
+    from cluster.checkpoint import load_trainer_state
+
+    state = TrainerState(step=3, policy_version=4, sampler={"order": [2, 0, 1], "position": 1},
+                         accuracy_before=0.25, seed=7, rng={"python": [3, [1, 2], None]})
+    text = state.to_json()
+    assert text == json.dumps({"step": 3, "policy_version": 4, "sampler": {"order": [2, 0, 1], "position": 1},
+                               "accuracy_before": 0.25, "seed": 7, "rng": {"python": [3, [1, 2], None]}})
+    (tmp_path / STATE_FILE).write_text(text)
+    assert load_trainer_state(tmp_path) == state
+    saved = _save(tmp_path / "run", 5, learner_module.FileLearner(chunks=1))
+    written = json.loads((saved / STATE_FILE).read_text())
+    assert list(written) == ["step", "policy_version", "sampler", "accuracy_before", "seed", "rng"]
+    assert set(written["rng"]) == {"python", "numpy", "torch"}

@@ -70,8 +70,7 @@ def composed(overrides) -> Config:
     cfg = OmegaConf.to_object(compose_config(overrides))
     cfg.check()
     _check_model(cfg)
-    resolve_auto(cfg)
-    return cfg
+    return resolve_auto(cfg)
 
 
 def value(cfg: Config, key: str):

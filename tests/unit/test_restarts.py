@@ -55,8 +55,9 @@ def _run_after_losses(tmp_path, max_restarts: int, restarts: int):
     from types import SimpleNamespace
 
     from cluster.checkpoint import save_checkpoint
+    from common.messages import TrainerState
 
-    save_checkpoint(tmp_path, 2, _OneFileLearner(), {"step": 2}, 0)
+    save_checkpoint(tmp_path, 2, _OneFileLearner(), TrainerState(2), 0)
     trainer = SimpleNamespace(max_restarts=max_restarts, run_name="mine")
     return SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), run_dir=tmp_path, learner_restarts=restarts)
 
