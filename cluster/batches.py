@@ -309,5 +309,16 @@ def thaw(data: bytes) -> List[tuple]:
     """What `freeze` wrote, the groups put back in the object store."""
     import ray
 
-    return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs]))
+    return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs],
+                                       items=[_as_request(item) for item in batch.items]))
             for step, batch in pickle.loads(data)]
+
+
+def _as_request(item) -> GenerationRequest:
+    """A saved batch's item; checkpoints written before requests were typed hold (index,
+    problem) pairs. The seed is left at 0: a stale group is generated again with a seed of the
+    regeneration's round (`reseeded`), never with the one it was first made with."""
+    if isinstance(item, GenerationRequest):
+        return item
+    index, problem = item
+    return GenerationRequest(index, problem.prompt, problem.answer, problem.fields)

@@ -107,17 +107,19 @@ class VerifierWorker:
 
 
 class VerifierPool:
-    def __init__(self, settings: RewardConfig, placement=None, search_path: Optional[Sequence[str]] = None):
-        """`settings.num_workers` actors; `placement(i)`: Ray actor options for actor i (its
-        placement group bundle); custom verifiers import from `search_path` first (default: the
-        driver's working directory, where a user's `rewards.py` sits)."""
+    def __init__(self, settings: RewardConfig, placement=None, search_path: Optional[Sequence[str]] = None,
+                 make_scorer: Callable[[RewardConfig, Sequence[str]], Scorer] = VerifierScorer):
+        """`settings.num_workers` actors, each scoring with `make_scorer(settings, search_path)`;
+        `placement(i)`: Ray actor options for actor i (its placement group bundle); custom
+        verifiers import from `search_path` first (default: the driver's working directory, where
+        a user's `rewards.py` sits)."""
         actor = ray.remote(num_cpus=settings.num_cpus_per_worker, max_restarts=-1,
                            max_task_retries=TASK_RETRIES)(VerifierWorker)
         self.settings = settings
         self._next = 0  # the actor `submit` uses next
         self.names = list(dict.fromkeys(settings.verifiers))
         path = [os.getcwd()] if search_path is None else list(search_path)
-        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path)
+        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path, make_scorer)
                         for i in range(settings.num_workers)]
 
     def ready(self) -> None:
