@@ -113,7 +113,8 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
         gen_stats = {**gen.stats, "rollout_actor_restarts": gen.stats.get("actor_restarts", 0.0)}
         gen_totals = {k: gen_totals[k] + gen_stats.get(k, 0.0) for k in gen_totals}
         keep_agent_records(cfg, step, gen.stats, gen.records)
-        rows = [_Row(*row) for row in zip(scores.refs, requests, gen.versions, scores.informative)]
+        rows = [_Row(ref, request, version, informative) for ref, request, version, informative
+                in zip(scores.refs, requests, gen.versions, scores.informative)]
         if not cfg.algo.dynamic_sampling or items is not None:
             kept = rows
             break
