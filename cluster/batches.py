@@ -322,4 +322,4 @@ def _as_request(item) -> GenerationRequest:
     if isinstance(item, GenerationRequest):
         return item
     index, problem = item
-    return GenerationRequest(index, problem.prompt, problem.answer, problem.fields)
+    return GenerationRequest(index, problem.prompt, problem.answer, problem.fields, 0)

@@ -45,9 +45,9 @@ class GenerationRequest:
     prompt: str
     """The rendered text the engine continues."""
     answer: Optional[str]
-    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    fields: Mapping[str, Any] = field(hash=False)
     """The row's other columns, for the verifiers (`tests` for code, `language`, ...)."""
-    seed: int = 0
+    seed: int
     """The prompt's seed in its round (common.seeds.prompt_seed): its samples are the same
     whichever worker draws it."""
 

@@ -10,7 +10,7 @@ from common.messages import GenerationRequest
 
 
 def _requests(*indices: int) -> list:
-    return [GenerationRequest(i, f"p{i}", str(i)) for i in indices]
+    return [GenerationRequest(i, f"p{i}", str(i), {}, 0) for i in indices]
 
 
 def test_each_sample_is_one_line_and_a_rewind_keeps_the_steps_up_to_the_checkpoint(tmp_path):
