@@ -29,6 +29,7 @@ def main() -> None:
 
     from reward.pool import VerifierPool
     from common.config import RewardConfig
+    from common.messages import ScoringRequest
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -45,9 +46,9 @@ def main() -> None:
     worst = 0.0
     for case in cases(server.getsockname()[1], uuid.uuid4().hex[:12]):
         pool = pools[case.pool]
-        pool.score_items([("p", *case.control)])  # the process is warm and ready before timing
+        pool.score_items([ScoringRequest("p", *case.control)])  # the process is warm and ready before timing
         start = time.perf_counter()
-        (outcome,), _ = pool.score_items([("p", case.completion, case.answer, case.fields)])
+        (outcome,), _ = pool.score_items([ScoringRequest("p", case.completion, case.answer, case.fields)])
         seconds = time.perf_counter() - start
         worst = max(worst, seconds)
         timed_out = case.verifier in outcome.timed_out

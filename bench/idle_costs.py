@@ -57,6 +57,7 @@ def roles(seconds: float, cache: str) -> None:
 
 
 def rebuild(cache: str) -> None:
+    from common.messages import GenerationRequest
     from rollout.worker import GenerationWorker
 
     def cpu() -> float:
@@ -73,7 +74,7 @@ def rebuild(cache: str) -> None:
             cleanup_dist_env_and_memory()
         start = cpu()
         worker = GenerationWorker(cfg.model.path, cfg.rollout, 123)
-        group, _ = worker.generate((0, "12+34=", "46", {}), n=1, greedy=True, seeds=[0])
+        group, _ = worker.generate(GenerationRequest(0, "12+34=", "46", {}, 0), n=1, greedy=True)
         costs.append(cpu() - start)
         outputs.append(group.completion_ids)
     print(f"first engine {costs[0]:.2f} CPU-s, second engine {costs[1]:.2f} CPU-s, "

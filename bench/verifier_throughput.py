@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import RewardConfig  # noqa: E402
+from common.messages import ScoringRequest  # noqa: E402
 from reward.registry import build_verifiers  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def math_items(n: int, rng: random.Random):
     for _ in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         guess = a + b + rng.choice([0, 0, 1, -1, 10])  # mostly right, some wrong
-        items.append((f"{a}+{b}=", f"<think>{a}+{b}</think><answer>{guess}</answer>", str(a + b), {}))
+        items.append(ScoringRequest(f"{a}+{b}=", f"<think>{a}+{b}</think><answer>{guess}</answer>", str(a + b), {}))
     return items
 
 
@@ -35,7 +36,7 @@ def code_items(n: int, rng: random.Random):
         body = f"return x + {k}" if rng.random() < 0.7 else "return x"
         completion = f"<think>add</think><answer>```python\ndef add(x):\n    {body}\n```</answer>"
         tests = f"assert add(1) == {1 + k}\nassert add(-{k}) == 0"
-        items.append((f"add {k}", completion, "", {"tests": tests}))
+        items.append(ScoringRequest(f"add {k}", completion, "", {"tests": tests}))
     return items
 
 
@@ -68,7 +69,7 @@ def main() -> None:
     for name, items in workloads.items():
         settings = RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0)
         call = build_verifiers(settings)[name]
-        inproc = best_of(args.repeats, lambda call=call, items=items: [call(*item) for item in items])
+        inproc = best_of(args.repeats, lambda call=call, items=items: [call(r.prompt, r.completion, r.answer, r.fields) for r in items])
         rates = {}
         for workers in (1, 2):
             pool = VerifierPool(RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0,

@@ -222,6 +222,7 @@ def reload_alone(size: str, cache: str, repeats: int, threads: int, linear: str,
 
 
 def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: int) -> dict:
+    from cluster.batches import generation_requests
     from cluster.compose import load_config
     from cluster.preflight import resolve_model
     from data.datasets import load_problems
@@ -234,15 +235,16 @@ def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: in
     n, seed = cfg.algo.group_size, 12345
     pool = RolloutPool(model, replace(cfg.rollout, num_cpus_per_worker=0.5), 0)
     try:
-        pool.generate(batch[:4], n, greedy=False, seed=seed)  # warm
+        requests = generation_requests(batch, seed)
+        pool.generate(requests[:4], n, greedy=False)  # warm
         system = []
         for _ in range(repeats):
             start = time.perf_counter()
-            _, stats = pool.generate(batch, n, greedy=False, seed=seed)
-            system.append((stats["completion_tokens"], time.perf_counter() - start))
+            generated = pool.generate(requests, n, greedy=False)
+            system.append((generated.stats["completion_tokens"], time.perf_counter() - start))
     finally:
         pool.shutdown()
-    seeds = [hash((seed, i)) % (2**31) for i, _ in batch]  # the pool's per-prompt seeds
+    seeds = [r.seed for r in requests]  # the pool's per-prompt seeds
     payload = json.dumps({"model": model, "prompts": [p.prompt for _, p in batch], "n": n,
                           "max_tokens": cfg.rollout.max_new_tokens, "seeds": seeds})
     standalone = []

@@ -20,11 +20,12 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from cluster.preflight import say
 from common import seeds
-from common.messages import RestartEvent
+from common.dispatch import Dispatched
+from common.messages import GenerationRequest, RestartEvent
 
 
 class Timer:
@@ -46,8 +47,8 @@ class Batch:
 
     refs: List[Any]
     """ObjectRefs of the scored groups, in sampling order."""
-    items: List[tuple]
-    """(index, Problem) of each group: what to generate again if it turns out stale."""
+    items: List[GenerationRequest]
+    """The request of each group: what to generate again if it turns out stale."""
     versions: List[int]
     """Policy version that generated each group."""
     reward_stats: Dict[str, Any]
@@ -60,7 +61,29 @@ class Batch:
     batch is trained resumes from here, so no prompt is lost or repeated)."""
 
 
-def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, items=None) -> Batch:
+def generation_requests(pairs: Sequence[Tuple[int, Any]], round_seed: int) -> List[GenerationRequest]:
+    """One request per (index, problem) pair of a generation round, seeded per prompt: the same
+    samples whichever worker draws it, and no two prompts share a random stream."""
+    return [GenerationRequest(index, problem.prompt, problem.answer, problem.fields,
+                              seeds.prompt_seed(round_seed, index)) for index, problem in pairs]
+
+
+def reseeded(requests: Sequence[GenerationRequest], round_seed: int) -> List[GenerationRequest]:
+    """The same prompts in another round (stale groups generated again)."""
+    return [dataclasses.replace(r, seed=seeds.prompt_seed(round_seed, r.index)) for r in requests]
+
+
+@dataclass
+class _Row:
+    """One generated and scored group of a collection round."""
+    ref: Any
+    request: GenerationRequest
+    version: int
+    informative: bool
+
+
+def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
+            items: Optional[Sequence[GenerationRequest]] = None) -> Batch:
     """Generate and score one batch of prompt groups.
 
     With DAPO's dynamic sampling, groups whose rewards are all equal (zero advantage) are
@@ -72,30 +95,31 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
     size = cfg.trainer.prompts_per_step if items is None else len(items)
     state = sampler.state_dict()
     rounds = cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling and items is None else 1
-    kept: List[tuple] = []
-    spare: List[tuple] = []
-    totals: Dict[str, Any] = {}
+    kept: List[_Row] = []
+    spare: List[_Row] = []
+    totals: Dict[str, float] = {}
     restarts: List[RestartEvent] = []
     gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
                                     **{key: 0.0 for key in TOOL_STATS},
                                     **({key: 0.0 for key in AGENT_STATS} if cfg.rollout.agent is not None else {})}
     for round_ in range(rounds):
-        batch = items if items is not None else sampler.next_batch(size - len(kept))
         # Round 0's seed is the plain step seed: runs without dynamic sampling are unchanged.
         seed = seeds.round_seed(cfg.trainer.seed, step, round_) if round_seed is None else round_seed
-        scored, gen, stats = generate_and_score(roles, batch, cfg.algo.group_size, seed, timer)
-        informative = stats.pop("per_item/informative")
-        totals = stats if not totals else {k: totals[k] + stats[k] for k in totals}
-        gen["rollout_actor_restarts"] = gen.get("actor_restarts", 0.0)
-        restarts += gen.get("restart_events", [])
-        gen_totals = {k: gen_totals[k] + gen.get(k, 0.0) for k in gen_totals}
-        keep_agent_records(cfg, step, gen)
-        rows = list(zip(scored, batch, gen["per_item/policy_version"], informative))
+        requests = (reseeded(items, seed) if items is not None
+                    else generation_requests(sampler.next_batch(size - len(kept)), seed))
+        gen, scores = generate_and_score(roles, requests, cfg.algo.group_size, timer)
+        totals = scores.stats if not totals else {k: totals[k] + scores.stats[k] for k in totals}
+        restarts += gen.restarts
+        gen_stats = {**gen.stats, "rollout_actor_restarts": gen.stats.get("actor_restarts", 0.0)}
+        gen_totals = {k: gen_totals[k] + gen_stats.get(k, 0.0) for k in gen_totals}
+        keep_agent_records(cfg, step, gen.stats, gen.records)
+        rows = [_Row(ref, request, version, informative) for ref, request, version, informative
+                in zip(scores.refs, requests, gen.versions, scores.informative)]
         if not cfg.algo.dynamic_sampling or items is not None:
             kept = rows
             break
-        kept += [r for r in rows if r[3]]
-        spare += [r for r in rows if not r[3]]
+        kept += [r for r in rows if r.informative]
+        spare += [r for r in rows if not r.informative]
         if len(kept) >= size:
             break
     metrics = {**{k: v for k, v in gen_totals.items() if k not in TOOL_STATS}, **episode_metrics(gen_totals)}
@@ -104,7 +128,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None, it
         metrics.update({"dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
                         "sampling_rounds": float(round_ + 1)})
         kept = (kept + spare[:filled])[:size]
-    return Batch(refs=[r[0] for r in kept], items=[r[1] for r in kept], versions=[r[2] for r in kept],
+    return Batch(refs=[r.ref for r in kept], items=[r.request for r in kept], versions=[r.version for r in kept],
                  reward_stats=totals, metrics=metrics, times=timer.times, restarts=restarts, sampler_state=state)
 
 
@@ -117,14 +141,14 @@ AGENT_STATS = ("agent_errors", "agent_timeouts", "template_drift", "off_chain_ca
 DRIFT_FILE = "template_drift.json"
 
 
-def keep_agent_records(cfg, step: int, gen: Dict[str, Any]) -> None:
+def keep_agent_records(cfg, step: int, stats: Dict[str, float], records: Dict[str, Any]) -> None:
     """An agent run's records of a batch: the first session whose chat template's rendering of
     its history left the sampled ids is saved once in the run folder (DRIFT_FILE), the first
     agent failure of a step is printed."""
-    drift = gen.pop("first_drift", None)
-    error = gen.pop("first_agent_error", None)
+    drift = records.get("first_drift")
+    error = records.get("first_agent_error")
     if error is not None:
-        failed = gen.get("agent_errors", 0.0) + gen.get("agent_timeouts", 0.0)
+        failed = stats.get("agent_errors", 0.0) + stats.get("agent_timeouts", 0.0)
         say(f"step {step}: {failed:g} agent episodes failed (scored 0); the first: {error}")
     if drift is None or cfg.trainer.run_name is None:  # no drift, or no run folder (roles driven directly)
         return
@@ -146,25 +170,22 @@ def episode_metrics(totals: Dict[str, float]) -> Dict[str, float]:
             "observation_token_fraction": totals["observation_tokens"] / max(totals["completion_tokens"], 1.0)}
 
 
-def generate_and_score(roles, batch, n: int, seed: int, timer: Timer):
-    """Sample `n` completions per prompt and score them, each chunk handed to the verifier pool
-    as soon as it is generated: (scored group refs in order, generation stats, reward stats).
-    `time_generate` runs until the last chunk is generated; `time_reward` is what scoring
-    adds after it (the phase is off the step's critical path when it is near 0)."""
-    scored: List[Any] = [None] * len(batch)
+def generate_and_score(roles, requests: Sequence[GenerationRequest], n: int,
+                       timer: Timer) -> Tuple[Dispatched, Dispatched]:
+    """Sample `n` completions per request and score them, each chunk handed to the verifier pool
+    as soon as it is generated: (the generation's results, the scoring's: scored group refs in
+    order). `time_generate` runs until the last chunk is generated; `time_reward` is what
+    scoring adds after it (the phase is off the step's critical path when it is near 0)."""
     pending: List[tuple] = []
 
     def score_chunk(positions, refs) -> None:
-        out, stats_ref = roles.verifiers.submit(refs)
-        for i, ref in zip(positions, out):
-            scored[i] = ref
-        pending.append((positions, stats_ref))
+        pending.append((positions, *roles.verifiers.submit(refs)))
 
     with timer("time_generate"):
-        _, gen = roles.rollout.generate(batch, n, greedy=False, seed=seed, on_chunk=score_chunk)
+        gen = roles.rollout.generate(requests, n, greedy=False, on_chunk=score_chunk)
     with timer("time_reward"):
-        stats = roles.verifiers.gather(pending, len(batch))
-    return scored, gen, stats
+        scores = roles.verifiers.gather(pending, len(requests))
+    return gen, scores
 
 
 def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles, sampler, cfg) -> Dict[str, float]:
@@ -289,5 +310,16 @@ def thaw(data: bytes) -> List[tuple]:
     """What `freeze` wrote, the groups put back in the object store."""
     import ray
 
-    return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs]))
+    return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs],
+                                       items=[_as_request(item) for item in batch.items]))
             for step, batch in pickle.loads(data)]
+
+
+def _as_request(item) -> GenerationRequest:
+    """A saved batch's item; checkpoints written before requests were typed hold (index,
+    problem) pairs. The seed is left at 0: a stale group is generated again with a seed of the
+    regeneration's round (`reseeded`), never with the one it was first made with."""
+    if isinstance(item, GenerationRequest):
+        return item
+    index, problem = item
+    return GenerationRequest(index, problem.prompt, problem.answer, problem.fields, 0)

@@ -27,10 +27,11 @@ def score_key(verifiers: Sequence[str]) -> str:
 def _scored_groups(rollout, verifiers, problems, n: int, greedy: bool, temperature=None) -> list:
     import ray
 
-    from rollout.pool import as_batch
+    from cluster.batches import generation_requests
 
-    refs, _ = rollout.generate(as_batch(problems), n, greedy=greedy, seed=EVAL_SEED, temperature=temperature)
-    scored, _ = verifiers.score(refs)
+    requests = generation_requests(list(enumerate(problems)), EVAL_SEED)
+    generated = rollout.generate(requests, n, greedy=greedy, temperature=temperature)
+    scored, _ = verifiers.score(generated.refs)
     return ray.get(scored)
 
 

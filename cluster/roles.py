@@ -79,9 +79,9 @@ def start_roles(cfg: Config) -> Roles:
 
 def evaluate(roles: Roles, problems) -> float:
     """Greedy accuracy on `problems` through the vLLM actors and the verifier pool."""
-    from rollout.pool import as_batch
+    from cluster.batches import generation_requests
 
-    refs, _ = roles.rollout.generate(as_batch(problems), 1, greedy=True, seed=0)
-    _, stats = roles.verifiers.score(refs)
+    generated = roles.rollout.generate(generation_requests(list(enumerate(problems)), 0), 1, greedy=True)
+    _, stats = roles.verifiers.score(generated.refs)
     key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))
     return stats[key] / max(stats["completions"], 1)

@@ -13,14 +13,17 @@ import json
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
+from common.messages import GenerationRequest
+
 FILE = "samples.jsonl"
 
 
-def sample_ids(step: int, items: Sequence[tuple], versions: Sequence[int], group_size: int) -> List[dict]:
-    """One identifier per trained sample of a batch: its groups' (index, problem) pairs and
-    the versions that made them, in training order."""
-    return [{"step": step, "prompt": int(index), "sample": j, "version": int(version)}
-            for (index, _problem), version in zip(items, versions) for j in range(group_size)]
+def sample_ids(step: int, items: Sequence[GenerationRequest], versions: Sequence[int],
+               group_size: int) -> List[dict]:
+    """One identifier per trained sample of a batch: its groups' requests and the versions that
+    made them, in training order."""
+    return [{"step": step, "prompt": int(item.index), "sample": j, "version": int(version)}
+            for item, version in zip(items, versions) for j in range(group_size)]
 
 
 class SampleLog:

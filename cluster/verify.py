@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 from cluster.compose import ConfigError
+from common.messages import ScoringRequest
 
 _RESULT_KEYS = ("scores", "reward", "timed_out")
 
@@ -88,10 +89,10 @@ def _from_transcript(row: Dict[str, Any], where: str) -> Dict[str, Any]:
             "transcript": "".join(m["content"] for m in messages)}
 
 
-def _item(row: Dict[str, Any]) -> Tuple[str, str, str, Dict[str, Any]]:
+def _request(row: Dict[str, Any]) -> ScoringRequest:
     fields = {k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")}
     answer = row.get("answer")
-    return (str(row["prompt"]), str(row["completion"]), "" if answer is None else str(answer), fields)
+    return ScoringRequest(str(row["prompt"]), str(row["completion"]), "" if answer is None else str(answer), fields)
 
 
 def _summary_table(stats: Dict[str, float], names: Sequence[str], seconds: float) -> str:
@@ -136,7 +137,7 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
         pool = VerifierPool(cfg.reward)
         pool.ready()
         start = time.perf_counter()
-        outcomes, stats = pool.score_items([_item(row) for row in rows])
+        outcomes, stats = pool.score_items([_request(row) for row in rows])
         seconds = time.perf_counter() - start
         pool.shutdown()
     finally:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,59 @@ class StepRecord:
     @property
     def policy_version(self) -> int:
         return self.metrics["policy_version"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt for a generation backend to sample a group for; the driver builds it from a
+    data row (cluster/batches.py), the group it yields carries its index, prompt, answer and
+    fields on to the verifiers and the learner."""
+    index: int
+    """Position of the prompt in its split (the training or the evaluation set)."""
+    prompt: str
+    """The rendered text the engine continues."""
+    answer: Optional[str]
+    fields: Mapping[str, Any] = field(hash=False)
+    """The row's other columns, for the verifiers (`tests` for code, `language`, ...)."""
+    seed: int
+    """The prompt's seed in its round (common.seeds.prompt_seed): its samples are the same
+    whichever worker draws it."""
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """The last return value of one chunk's call to a pool actor; the items' own results (prompt
+    groups, scored groups, outcomes) are the return values before it, each owned by the caller.
+    common/dispatch.py merges the reports of a batch's chunks."""
+    stats: Mapping[str, float] = field(default_factory=dict, hash=False)
+    """Counts and sums over the chunk's items, summed over the chunks."""
+    versions: Tuple[int, ...] = ()
+    """Generation: the policy version that sampled each item's group."""
+    informative: Tuple[bool, ...] = ()
+    """Scoring: whether each group's rewards differ (all equal: zero advantage, nothing learnt)."""
+    records: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Things worth showing once (an agent's first error, a session's first template drift):
+    of each name, the first chunk's is kept."""
+
+
+@dataclass(frozen=True)
+class ScoringRequest:
+    """One completion for the verifiers; each verifier is called with these four, in this order."""
+    prompt: str
+    completion: str
+    answer: str
+    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """The row's other columns (an episode's also hold its `transcript`)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One completion's scores: one per verifier, their weighted sum, and the verifiers that ran
+    out of time on it or raised (scored 0)."""
+    scores: Dict[str, float] = field(default_factory=dict, hash=False)
+    reward: float = 0.0
+    timed_out: List[str] = field(default_factory=list, hash=False)
+    errors: List[str] = field(default_factory=list, hash=False)
 
 
 # The driver's own state: what a run resolved before its roles start, and what a checkpoint keeps.

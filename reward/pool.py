@@ -2,7 +2,7 @@
 
 Work is cut into chunks and handed to whichever actor is free, so the pool finishes when the
 work does, not when the unluckiest fixed share does. Each actor owns a Scorer (a killable child
-process with a hard limit per verifier call). Each chunk's scored groups come back as the
+process with a hard limit per verifier call; any Scorer of common/backends.py would do). Each chunk's scored groups come back as the
 task's own return values, owned by the caller: an actor that dies later loses nothing already
 scored. Actors restart on failure (`max_restarts=-1`) and Ray re-runs the call that was in
 flight (`max_task_retries`); scoring is a pure function of the text, so a re-run gives the same
@@ -13,13 +13,15 @@ attribute (prompt, completions, answer, fields; rewards, scores, timed_out).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ray
 
+from common.backends import Scorer
 from common.config import RewardConfig
-from common.dispatch import add_stats, as_list, chunk_size, dispatch
-from reward.scorer import Item, Outcome, Scorer
+from common.dispatch import Dispatched, as_list, chunk_size, dispatch
+from common.messages import ChunkReport, Outcome, ScoringRequest
+from reward.scorer import VerifierScorer
 
 TASK_RETRIES = 3
 """Re-runs of one chunk after its actor died (each on the restarted actor)."""
@@ -49,9 +51,10 @@ def _add_outcome(stats: Dict[str, float], outcome: Outcome) -> None:
 class VerifierWorker:
     """One pool actor: fetches work, scores it in its Scorer process, returns it."""
 
-    def __init__(self, settings: RewardConfig, search_path: Sequence[str]):
+    def __init__(self, settings: RewardConfig, search_path: Sequence[str],
+                 make_scorer: Callable[[RewardConfig, Sequence[str]], Scorer] = VerifierScorer):
         self.names = list(dict.fromkeys(settings.verifiers))
-        self.scorer = Scorer(settings, search_path)
+        self.scorer: Scorer = make_scorer(settings, search_path)
         # Reported once, by the first call after Ray brought this actor back.
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
@@ -63,11 +66,13 @@ class VerifierWorker:
 
     def score_groups(self, *groups) -> Tuple[Any, ...]:
         """Scored copies of the groups (rewards, per-verifier scores, timed-out names per
-        completion), then the summed stats: one return value each."""
-        stats: Dict[str, Any] = {**self._stats(), "per_item/informative": []}
+        completion), then a ChunkReport (summed stats, which groups are informative): one
+        return value each."""
+        stats, informative = self._stats(), []
         restarts = self.scorer.restarts
-        items = [(g.prompt, c, g.answer, fields) for g in groups for c, fields in zip(g.completions, _fields(g))]
-        outcomes = iter(self.scorer.score(items))
+        requests = [ScoringRequest(g.prompt, c, g.answer, fields)
+                    for g in groups for c, fields in zip(g.completions, _fields(g))]
+        outcomes = iter(self.scorer.score(requests))
         for group in groups:
             mine = [next(outcomes) for _ in group.completions]
             group.rewards = [o.reward for o in mine]
@@ -78,19 +83,19 @@ class VerifierWorker:
             # A group whose rewards are all equal has zero advantage: it teaches nothing.
             uniform = len(set(group.rewards)) <= 1
             stats["uniform_groups"] += float(uniform)
-            stats["per_item/informative"].append(not uniform)
+            informative.append(not uniform)
         stats["scorer_restarts"] = float(self.scorer.restarts - restarts)
-        return (*groups, stats)
+        return (*groups, ChunkReport(stats, informative=tuple(informative)))
 
-    def score_items(self, *items: Item) -> Tuple[Any, ...]:
-        """One Outcome per (prompt, completion, answer, fields) item, then the summed stats."""
+    def score_items(self, *requests: ScoringRequest) -> Tuple[Any, ...]:
+        """One Outcome per request, then a ChunkReport (the summed stats)."""
         stats = self._stats()
         restarts = self.scorer.restarts
-        outcomes = self.scorer.score(items)
+        outcomes = self.scorer.score(requests)
         for outcome in outcomes:
             _add_outcome(stats, outcome)
         stats["scorer_restarts"] = float(self.scorer.restarts - restarts)
-        return (*outcomes, stats)
+        return (*outcomes, ChunkReport(stats))
 
     def pid(self) -> int:
         import os
@@ -102,17 +107,19 @@ class VerifierWorker:
 
 
 class VerifierPool:
-    def __init__(self, settings: RewardConfig, placement=None, search_path: Optional[Sequence[str]] = None):
-        """`settings.num_workers` actors; `placement(i)`: Ray actor options for actor i (its
-        placement group bundle); custom verifiers import from `search_path` first (default: the
-        driver's working directory, where a user's `rewards.py` sits)."""
+    def __init__(self, settings: RewardConfig, placement=None, search_path: Optional[Sequence[str]] = None,
+                 make_scorer: Callable[[RewardConfig, Sequence[str]], Scorer] = VerifierScorer):
+        """`settings.num_workers` actors, each scoring with `make_scorer(settings, search_path)`;
+        `placement(i)`: Ray actor options for actor i (its placement group bundle); custom
+        verifiers import from `search_path` first (default: the driver's working directory, where
+        a user's `rewards.py` sits)."""
         actor = ray.remote(num_cpus=settings.num_cpus_per_worker, max_restarts=-1,
                            max_task_retries=TASK_RETRIES)(VerifierWorker)
         self.settings = settings
         self._next = 0  # the actor `submit` uses next
         self.names = list(dict.fromkeys(settings.verifiers))
         path = [os.getcwd()] if search_path is None else list(search_path)
-        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path)
+        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path, make_scorer)
                         for i in range(settings.num_workers)]
 
     def ready(self) -> None:
@@ -137,21 +144,25 @@ class VerifierPool:
         refs = as_list(worker.score_groups.options(num_returns=len(group_refs) + 1).remote(*group_refs))
         return refs[:-1], refs[-1]
 
-    def gather(self, pending: Sequence[Tuple[Sequence[int], ray.ObjectRef]], n: int) -> Dict[str, Any]:
-        """The summed stats of `submit` calls, given the positions of their groups in a batch of n."""
-        stats = empty_stats(self.names)
-        for positions, ref in pending:
-            add_stats(stats, ray.get(ref), positions, n)
-        return stats
+    def gather(self, pending: Sequence[Tuple[Sequence[int], Sequence[ray.ObjectRef], ray.ObjectRef]],
+               n: int) -> Dispatched:
+        """A batch of n groups scored by `submit` calls, given each call's positions in the
+        batch, its scored group refs and its report ref: the refs in order, the summed stats,
+        which groups are informative."""
+        scored = Dispatched.empty(n, empty_stats(self.names))
+        for positions, refs, report in pending:
+            scored.add(ray.get(report), positions, refs)
+        return scored
 
     def score(self, group_refs: Sequence[ray.ObjectRef]) -> Tuple[List[ray.ObjectRef], Dict[str, float]]:
         """Scored group refs (same order) and summed stats over every completion."""
-        return self._dispatch("score_groups", list(group_refs))
+        scored = self._dispatch("score_groups", list(group_refs))
+        return scored.refs, scored.stats
 
-    def score_items(self, items: Sequence[Item]) -> Tuple[List[Outcome], Dict[str, float]]:
-        """Outcomes of plain (prompt, completion, answer, fields) items, fetched (for `grpo verify`)."""
-        refs, stats = self._dispatch("score_items", list(items))
-        return ray.get(refs), stats
+    def score_items(self, requests: Sequence[ScoringRequest]) -> Tuple[List[Outcome], Dict[str, float]]:
+        """Outcomes of plain requests, fetched (for `grpo verify`)."""
+        scored = self._dispatch("score_items", list(requests))
+        return ray.get(scored.refs), scored.stats
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -8,40 +8,32 @@ within `timeout_s` scores 0, is counted as a timeout, and its process is killed 
 process group) and replaced, after which the remaining calls are sent again.
 
 Messages are pickles over two pipes (multiprocessing.connection): parent -> child
-``("score", items, calls)``; child -> parent one ``(item, name, score, status)`` per call, in
+``("score", requests, calls)``; child -> parent one ``(request, name, score, status)`` per call, in
 order, with status ``ok``, ``timeout`` (the verifier gave up itself, e.g. the code sandbox) or
 ``error`` (it raised; scored 0).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from common.child import ChildProcess, attach
 from common.config import RewardConfig
+from common.messages import Outcome, ScoringRequest
 from reward.registry import combine
 
-__all__ = ["Item", "Outcome", "Scorer"]
-
-Item = Tuple[str, str, str, Mapping[str, Any]]
-"""(prompt, completion, answer, other row fields)."""
+__all__ = ["VerifierScorer"]
 
 STARTUP_TIMEOUT_S = 120.0
 """Importing math-verify (sympy) and custom verifier modules; far above the usual 1-2 s."""
 
 
-@dataclass
-class Outcome:
-    """One completion's scores."""
-    scores: Dict[str, float] = field(default_factory=dict)
-    reward: float = 0.0
-    timed_out: List[str] = field(default_factory=list)
-    errors: List[str] = field(default_factory=list)
+class VerifierScorer:
+    """The Scorer (common/backends.py) of the configured verifiers: they run in a child process
+    that a call which overruns `reward.timeout_s` gets killed with."""
 
-
-class Scorer:
     def __init__(self, settings: RewardConfig, search_path: Sequence[str] = ()):
         self.settings, self.search_path = settings, list(search_path)
         self.names = list(dict.fromkeys(settings.verifiers))
@@ -81,9 +73,9 @@ class Scorer:
 
     # ------------------------------------------------------------------ scoring
 
-    def score(self, items: Sequence[Item]) -> List[Outcome]:
-        """Every selected verifier on every item: exactly one Outcome per item, in order."""
-        items = list(items)
+    def score(self, requests: Sequence[ScoringRequest]) -> List[Outcome]:
+        """Every selected verifier on every request: exactly one Outcome per request, in order."""
+        items = list(requests)
         calls = [(i, name) for i in range(len(items)) for name in self.names]
         outcomes = [Outcome() for _ in items]
 
@@ -125,20 +117,17 @@ class Scorer:
                 assert (got_i, got_name) == (i, name), "verifier process answered out of order"
                 record(i, name, score, status)
                 pos += 1
-        for outcome in outcomes:
-            outcome.reward = combine(outcome.scores, self.settings.weights)
-        return outcomes
+        return [dataclasses.replace(o, reward=combine(o.scores, self.settings.weights)) for o in outcomes]
 
 
 # ---------------------------------------------------------------------- child process
 
 
-def _score_one(call, item: Item) -> Tuple[float, str]:
+def _score_one(call, request: ScoringRequest) -> Tuple[float, str]:
     from reward.errors import VerifierTimeout
 
-    prompt, completion, answer, fields = item
     try:
-        score = float(call(prompt, completion, answer, fields))
+        score = float(call(request.prompt, request.completion, request.answer, request.fields))
     except VerifierTimeout:
         return 0.0, "timeout"
     except BaseException:  # a custom verifier's sys.exit or bug must not end the process

@@ -2,8 +2,9 @@
 stepping every session's requests together until every agent has returned."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from common.messages import ChunkReport, GenerationRequest
 from common.prompt_group import PromptGroup
 from rollout.agents import AgentResult, AgentTask
 from rollout.sessions import Session
@@ -12,19 +13,19 @@ from common.seeds import sample_seed
 _IDLE_WAIT_S = 0.005
 
 
-def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, greedy: bool, seeds: Sequence[int],
-               temperature, version: int) -> Tuple[Any, ...]:
-    """n agent sessions per prompt; returns the groups, then the stats (as `generate` does)."""
+def run_agents(worker, requests: Sequence[GenerationRequest], n: int, greedy: bool,
+               seeds: Sequence[Optional[int]], temperature, version: int) -> Tuple[Any, ...]:
+    """n agent sessions per prompt; returns the groups, then a ChunkReport (as `generate` does)."""
     c = worker.cfg
     sessions: List[Session] = []
     tasks: List[AgentTask] = []
     session_seeds: Dict[str, int] = {}
-    for (_, prompt, answer, fields), seed in zip(prompts, seeds):
+    for request, seed in zip(requests, seeds):
         for j in range(n):
             session = worker.sessions.open(c.completion_budget)
             if not greedy and seed is not None:  # None: unseeded sampling (rollout.seeded_sampling)
                 session_seeds[session.id] = sample_seed(seed, j)
-            row = {**fields, "prompt": prompt, "answer": answer}
+            row = {**request.fields, "prompt": request.prompt, "answer": request.answer}
             tasks.append(AgentTask(len(sessions), worker.endpoint.base_url(session), session.key, row, j))
             sessions.append(session)
     worker._agent_call = {"seeds": session_seeds, "greedy": greedy, "temperature": temperature}
@@ -33,9 +34,9 @@ def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, gr
     worker._agent_call = {}
     for session in sessions:
         worker.sessions.close(session.id)
-    groups = [_group(prompts[k], sessions[k * n:(k + 1) * n], results[k * n:(k + 1) * n], worker, greedy, version)
-              for k in range(len(prompts))]
-    stats: Dict[str, Any] = {
+    groups = [_group(request, sessions[k * n:(k + 1) * n], results[k * n:(k + 1) * n], worker, greedy, version)
+              for k, request in enumerate(requests)]
+    stats: Dict[str, float] = {
         "completions": float(len(sessions)),
         "completion_tokens": float(sum(sum(s.mask) for s in sessions)),
         "turns": float(sum(s.turns for s in sessions)),
@@ -43,23 +44,23 @@ def run_agents(worker, prompts: Sequence[Tuple[int, str, str, dict]], n: int, gr
         "agent_timeouts": float(sum(r.timed_out for r in results)),
         "template_drift": float(sum(s.drift_turns for s in sessions)),
         **{k: float(v - before.get(k, 0)) for k, v in worker.endpoint.stats.items()},
-        "per_item/policy_version": [version] * len(groups),
     }
+    records: Dict[str, Any] = {}
     error = next((r.error for r in results if r.error is not None), None)
     if error is not None:
-        stats["first_agent_error"] = error
+        records["first_agent_error"] = error
     drift = next((s.drift for s in sessions if s.drift is not None), None)
     if drift is not None:
         decode = lambda ids: worker.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        stats["first_drift"] = {"turn": drift.turn, "position": drift.position, "stored": drift.stored,
-                                "rendered": drift.rendered, "stored_text": decode(drift.stored),
-                                "rendered_text": decode(drift.rendered)}
-    return (*groups, stats)
+        records["first_drift"] = {"turn": drift.turn, "position": drift.position, "stored": drift.stored,
+                                  "rendered": drift.rendered, "stored_text": decode(drift.stored),
+                                  "rendered_text": decode(drift.rendered)}
+    return (*groups, ChunkReport(stats, versions=(version,) * len(groups), records=records))
 
 
 def _drive(worker, tasks: List[AgentTask]) -> List[AgentResult]:
     """Step the engine for the endpoint's requests until every agent has returned."""
-    pool, bridge, engine = worker.agents, worker.bridge, worker.llm.llm_engine
+    pool, bridge, engine = worker.agents, worker.bridge, worker.engine
     results: Dict[int, AgentResult] = {}
     pool.submit(tasks)
     try:
@@ -73,14 +74,13 @@ def _drive(worker, tasks: List[AgentTask]) -> List[AgentResult]:
     return [results[t.task_id] for t in tasks]
 
 
-def _group(prompt: Tuple[int, str, str, dict], sessions: List[Session], results: List[AgentResult], worker,
+def _group(request: GenerationRequest, sessions: List[Session], results: List[AgentResult], worker,
            greedy: bool, version: int) -> PromptGroup:
     """One prompt's sessions as a group: the common prefix of their first prompts is the group's
     prompt; what a session's own first prompt adds goes into its completion, masked."""
-    index, text, answer, fields = prompt
     eos = worker.tokenizer.eos_token_id
     firsts = [s.prompt_ids for s in sessions if s.turns]
-    common = _common_prefix(firsts) if firsts else list(worker.tokenizer(text)["input_ids"])
+    common = _common_prefix(firsts) if firsts else list(worker.tokenizer(request.prompt)["input_ids"])
     ids, masks, logprobs, finishes, completions, transcripts = [], [], [], [], [], []
     for session, result in zip(sessions, results):
         failed = result.error is not None or not session.turns
@@ -95,8 +95,8 @@ def _group(prompt: Tuple[int, str, str, dict], sessions: List[Session], results:
         answer_text = result.answer if result.answer is not None else "".join(session.texts)
         completions.append("" if failed else answer_text)
         transcripts.append("" if failed else "".join(session.transcript))
-    return PromptGroup(index=index, prompt=text, answer=answer, fields=fields, prompt_ids=common,
-                       completions=completions, completion_ids=ids, finish_reasons=finishes, policy_version=version,
+    return PromptGroup(index=request.index, prompt=request.prompt, answer=request.answer, fields=dict(request.fields),
+                       prompt_ids=common, completions=completions, completion_ids=ids, finish_reasons=finishes, policy_version=version,
                        sampler_logprobs=None if greedy else logprobs, loss_masks=masks, transcripts=transcripts)
 
 

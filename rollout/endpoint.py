@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from common.backends import StepEngine
 from rollout.sessions import Session, SessionStore, Turn, plan_turn, record_turn
 
 
@@ -35,21 +36,21 @@ class EngineBridge:
     """Requests from the HTTP thread into the engine's step loop (which runs in the actor's call)."""
 
     def __init__(self):
-        self._pending: "queue.Queue[Tuple[str, dict, Any, concurrent.futures.Future]]" = queue.Queue()
+        self._pending: "queue.Queue[Tuple[str, List[int], Any, concurrent.futures.Future]]" = queue.Queue()
         self._running: Dict[str, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self.served = 0
 
     def submit(self, prompt_ids: List[int], params) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending.put((f"agent-{next(self._ids)}", {"prompt_token_ids": list(prompt_ids)}, params, future))
+        self._pending.put((f"agent-{next(self._ids)}", list(prompt_ids), params, future))
         return future
 
     @property
     def busy(self) -> bool:
         return bool(self._running) or not self._pending.empty()
 
-    def pump(self, engine, wait_s: float) -> None:
+    def pump(self, engine: StepEngine, wait_s: float) -> None:
         """Start what was asked, run one engine step, hand back what finished. With nothing in the
         engine, waits up to `wait_s` for a request instead of spinning."""
         if not self._running:
@@ -68,10 +69,10 @@ class EngineBridge:
                 self.served += 1
                 self._running.pop(out.request_id).set_result(out)
 
-    def _start(self, engine, item) -> None:
-        request_id, prompt, params, future = item
+    def _start(self, engine: StepEngine, item) -> None:
+        request_id, prompt_ids, params, future = item
         try:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt_ids, params)
         except Exception as exc:  # a request the engine refuses (too long, bad params) is the caller's 400
             future.set_exception(ValueError(f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
             return

@@ -20,6 +20,8 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+from common.backends import StepEngine
+
 
 @dataclass
 class Episode:
@@ -54,10 +56,10 @@ class Limits:
     max_model_len: int
 
 
-def run_episodes(engine, tokenizer, episodes: List[Episode], params: Callable, toolbox, fmt, limits: Limits,
+def run_episodes(engine: StepEngine, tokenizer, episodes: List[Episode], params: Callable, toolbox, fmt, limits: Limits,
                  greedy: bool) -> Dict[str, float]:
-    """Advance every episode to its end; `params(episode, turn, max_tokens)` gives a turn's
-    SamplingParams. Returns the tool stats of the call (summed)."""
+    """Advance every episode to its end on `engine`; `params(episode, turn, max_tokens)` gives a
+    turn's sampling parameters. Returns the tool stats of the call (summed)."""
     loop = _EpisodeLoop(engine, tokenizer, episodes, params, toolbox, fmt, limits, greedy)
     loop.run()
     return {
@@ -74,7 +76,7 @@ def run_episodes(engine, tokenizer, episodes: List[Episode], params: Callable, t
 class _EpisodeLoop:
     """One call of run_episodes: engine requests and tool calls in flight, keyed by episode."""
 
-    def __init__(self, engine, tokenizer, episodes: List[Episode], params: Callable, toolbox, fmt,
+    def __init__(self, engine: StepEngine, tokenizer, episodes: List[Episode], params: Callable, toolbox, fmt,
                  limits: Limits, greedy: bool):
         self.engine, self.tokenizer, self.episodes, self.params = engine, tokenizer, episodes, params
         self.toolbox, self.fmt, self.limits, self.greedy = toolbox, fmt, limits, greedy
@@ -118,9 +120,8 @@ class _EpisodeLoop:
         if room <= 0:
             ep.finish = "length"
             return
-        prompt = {"prompt_token_ids": list(ep.prompt_ids) + ep.ids}
         request_id = f"{self.tag}-{i}-{ep.turns}"  # outputs carry this id (vLLM adds a suffix inside)
-        self.engine.add_request(request_id, prompt, self.params(ep, ep.turns, room))
+        self.engine.add_request(request_id, list(ep.prompt_ids) + ep.ids, self.params(ep, ep.turns, room))
         self.requests[request_id] = i
 
     def turn_done(self, i: int, out) -> None:

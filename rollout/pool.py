@@ -1,29 +1,35 @@
-"""The generation workers as one group: start them, hand out prompts in chunks, collect references."""
+"""The generation workers as one group: start them, hand out prompts in chunks, collect references.
+
+The workers are GenerationBackends (common/backends.py); vLLM's GenerationWorker unless the
+caller names another class.
+"""
 from __future__ import annotations
 
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Type
 
 import ray
 
+from common.backends import GenerationBackend
 from common.config import RolloutConfig
-from common.dispatch import as_list, call_when_up, chunk_size, dispatch
-from common.problem import Problem
+from common.dispatch import Dispatched, as_list, call_when_up, chunk_size, dispatch
+from common.messages import GenerationRequest
+from common.seeds import engine_seed
 from rollout.worker import EngineStartError, GenerationWorker
-from common.seeds import engine_seed, prompt_seed
 
 
 class RolloutPool:
-    def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int, placement=None):
-        """`rollout_cfg.num_workers` engines, worker i seeded `seed + i`; `placement(i)`: Ray actor
-        options for worker i (its placement group bundle)."""
+    def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int, placement=None,
+                 backend: Type[GenerationBackend] = GenerationWorker):
+        """`rollout_cfg.num_workers` engines of class `backend`, worker i seeded `seed + i`;
+        `placement(i)`: Ray actor options for worker i (its placement group bundle)."""
         # Ray restarts a dead worker (a fresh engine); the pool hands its unfinished prompts out
         # again only after `recover` gave it the current weights (no automatic task retry: a
         # retry on the fresh engine would sample with its initial weights).
         actor = ray.remote(num_cpus=rollout_cfg.num_cpus_per_worker, num_gpus=rollout_cfg.num_gpus_per_worker,
-                           max_restarts=-1, max_task_retries=0)(GenerationWorker)
+                           max_restarts=-1, max_task_retries=0)(backend)
         self.cfg = rollout_cfg
         self._submitting = threading.RLock()  # held by `between_calls` (a weight push)
         self.recover = None
@@ -38,32 +44,30 @@ class RolloutPool:
             found = re.search(r"EngineStartError: (the vLLM engine did not start: [^\n]*)", str(error))
             raise EngineStartError(found.group(1) if found else f"a generation worker died at start: "
                                    f"{str(error).strip().splitlines()[-1][:300]}") from None
+        self._sync_ranks = ray.get(self.workers[0].sync_ranks.remote()) if self.workers else 0
 
     @property
     def sync_ranks(self) -> int:
         """Members of the weight-sync group per worker: one per tensor-parallel rank."""
-        return self.cfg.tensor_parallel_size
+        return self._sync_ranks
 
-    def generate(self, batch: Sequence[tuple], n: int, greedy: bool, seed: int, temperature: Optional[float] = None,
-                 on_chunk: Optional[Callable[[range, List[ray.ObjectRef]], None]] = None,
-                 ) -> Tuple[List[ray.ObjectRef], Dict[str, Any]]:
-        """Refs to one PromptGroup per (index, Problem) in `batch`, in order, and the stats
-        (completions, completion_tokens, per_item/policy_version).
+    def generate(self, requests: Sequence[GenerationRequest], n: int, greedy: bool,
+                 temperature: Optional[float] = None,
+                 on_chunk: Optional[Callable[[range, List[ray.ObjectRef]], None]] = None) -> Dispatched:
+        """Refs to one PromptGroup per request, in order, with the stats (completions,
+        completion_tokens, ...) and the policy version of each group.
 
-        The batch is cut into chunks handed to whichever worker is free. A seed per (step,
-        prompt) makes a prompt's samples the same whichever worker draws it, and no two prompts
-        share a random stream. `on_chunk(positions, refs)` hears of each chunk as it is done.
+        The batch is cut into chunks handed to whichever worker is free; each request's own seed
+        makes its samples the same whichever worker draws it. `on_chunk(positions, refs)` hears
+        of each chunk as it is done.
         """
-        prompts = [(index, problem.prompt, problem.answer, problem.fields) for index, problem in batch]
-        seeds = {p[0]: prompt_seed(seed, p[0]) for p in prompts}
-
         def submit(worker, chunk):
             with self._submitting:
                 return as_list(worker.generate.options(num_returns=len(chunk) + 1).remote(
-                    *chunk, n=n, greedy=greedy, seeds=[seeds[p[0]] for p in chunk], temperature=temperature))
+                    *chunk, n=n, greedy=greedy, temperature=temperature))
 
-        size = chunk_size(len(prompts), len(self.workers), self.cfg.chunks_per_worker)
-        return dispatch(self.workers, submit, prompts, size, {"actor_restarts": 0.0},
+        size = chunk_size(len(requests), len(self.workers), self.cfg.chunks_per_worker)
+        return dispatch(self.workers, submit, list(requests), size, {"actor_restarts": 0.0},
                         on_failure=self._restarted if self.recover else None, on_done=on_chunk,
                         role="generation worker")
 
@@ -95,6 +99,3 @@ class RolloutPool:
         for w in self.workers:
             ray.kill(w)
 
-
-def as_batch(problems: Sequence[Problem]) -> list:
-    return list(enumerate(problems))

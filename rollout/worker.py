@@ -13,9 +13,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common import heap
 from common.config import RolloutConfig
+from common.messages import ChunkReport, GenerationRequest
 from common.prompt_group import PromptGroup
 from common.reaper import start_reaper
 from rollout import texts
+from rollout.engine import VllmStepEngine
 from rollout.engine_log import StderrTail, root_cause
 from common.seeds import call_seed, sample_seed, turn_seed
 
@@ -74,7 +76,8 @@ def no_compile() -> None:
 
 
 class GenerationWorker:
-    """One vLLM engine (one Ray actor). `policy_version` is the version of the weights it holds."""
+    """One vLLM engine (one Ray actor): the GenerationBackend (common/backends.py) of every run.
+    `policy_version` is the version of the weights it holds."""
 
     @heap.started_without_full_collections  # vLLM's import and its engine's start
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, seed: int):
@@ -114,6 +117,7 @@ class GenerationWorker:
         # Engine processes (the engine core, tensor-parallel ranks) die with this actor however
         # it dies, before the agents' and tools' processes, which watch it themselves, start.
         self._reaper = start_reaper()
+        self.engine = VllmStepEngine(self.llm)  # what the multi-turn loops step
         self.policy_version = 0
         self.lora_request = None  # the adapter version served on the base, once one was pushed
         self._lora_pushes = 0
@@ -192,6 +196,9 @@ class GenerationWorker:
     def ready(self) -> int:
         return self.policy_version
 
+    def sync_ranks(self) -> int:
+        return self.cfg.tensor_parallel_size
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -224,29 +231,30 @@ class GenerationWorker:
         )
 
     @exits_if_engine_died
-    def generate(self, *prompts: Tuple[int, str, str, dict], n: int, greedy: bool,
-                 seeds: Sequence[int], temperature: Optional[float] = None) -> Tuple[Any, ...]:
-        """Sample `n` completions for each (index, prompt, answer, row fields); one seed per
-        prompt makes it reproducible whichever worker runs it. Returns the groups, then stats.
-        `temperature` replaces rollout.temperature (evaluation samples at eval.temperature)."""
+    def generate(self, *requests: GenerationRequest, n: int, greedy: bool,
+                 temperature: Optional[float] = None) -> Tuple[Any, ...]:
+        """Sample `n` completions for each request, with its seed: reproducible whichever worker
+        runs it. Returns the groups, then a ChunkReport. `temperature` replaces
+        rollout.temperature (evaluation samples at eval.temperature)."""
         version = self.policy_version  # weights change only between calls, never during one
-        seeds = self._request_seeds(seeds, greedy)
+        seeds = self._request_seeds([r.seed for r in requests], greedy)
         if self.tools is not None:
-            return self._episodes(prompts, n, greedy, seeds, temperature, version)
+            return self._episodes(requests, n, greedy, seeds, temperature, version)
         if self.agents is not None:
             from rollout.agent_episodes import run_agents
 
-            return run_agents(self, prompts, n, greedy, seeds, temperature, version)
+            return run_agents(self, requests, n, greedy, seeds, temperature, version)
         rust = self._rust_tokenizer
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
-        outputs = self.llm.generate([p[1] for p in prompts], params, use_tqdm=False, lora_request=self.lora_request)
+        outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         groups: List[PromptGroup] = []
-        for (index, prompt, answer, fields), out, sp in zip(prompts, outputs, params):
+        for request, out, sp in zip(requests, outputs, params):
             groups.append(PromptGroup(
-                index=index,
-                prompt=prompt,
-                answer=answer,
-                fields=fields,
+                index=request.index,
+                prompt=request.prompt,
+                answer=request.answer,
+                fields=dict(request.fields),
                 prompt_ids=list(out.prompt_token_ids),
                 completions=[c.text if sp.detokenize else texts.completion_text(
                     rust, out.prompt_token_ids, c.token_ids, c.finish_reason == "stop", sp.include_stop_str_in_output,
@@ -256,12 +264,11 @@ class GenerationWorker:
                 policy_version=version,
                 sampler_logprobs=None if greedy else [_sampled_logprobs(c) for c in out.outputs],
             ))
-        stats: Dict[str, Any] = {
+        stats = {
             "completions": float(sum(g.group_size for g in groups)),
             "completion_tokens": float(sum(len(ids) for g in groups for ids in g.completion_ids)),
-            "per_item/policy_version": [version] * len(groups),
         }
-        return (*groups, stats)
+        return (*groups, ChunkReport(stats, versions=(version,) * len(groups)))
 
     def _request_seeds(self, seeds: Sequence[int], greedy: bool) -> Sequence[Optional[int]]:
         """The seeds the requests carry: the prompts' own (rollout.seeded_sampling), or none,
@@ -271,39 +278,35 @@ class GenerationWorker:
         self.llm.collective_rpc("reseed", args=(call_seed(seeds),))
         return [None] * len(seeds)
 
-    def _episodes(self, prompts, n: int, greedy: bool, seeds: Sequence[Optional[int]], temperature, version: int):
+    def _episodes(self, requests: Sequence[GenerationRequest], n: int, greedy: bool,
+                  seeds: Sequence[Optional[int]], temperature, version: int) -> Tuple[Any, ...]:
         """`generate` with tools: n multi-turn episodes per prompt, all advancing together."""
         from rollout.episodes import Episode, Limits, run_episodes
 
         c = self.cfg
-        episodes = [Episode(prompt_ids=self.tokenizer(p[1])["input_ids"],
+        episodes = [Episode(prompt_ids=self.tokenizer(r.prompt)["input_ids"],
                             seed=None if greedy or seed is None else sample_seed(seed, j))
-                    for p, seed in zip(prompts, seeds) for j in range(n)]
+                    for r, seed in zip(requests, seeds) for j in range(n)]
 
         def params(ep, turn: int, max_tokens: int):
             seed = None if ep.seed is None else turn_seed(ep.seed, turn)
             return self.sampling_params(1, greedy, seed, temperature, max_tokens)
 
         limits = Limits(c.max_turns, c.max_new_tokens, c.completion_budget, c.max_model_len)
-        stats = run_episodes(self.llm.llm_engine, self.tokenizer, episodes, params, self.tools, self.format, limits,
-                             greedy)
+        stats = run_episodes(self.engine, self.tokenizer, episodes, params, self.tools, self.format, limits, greedy)
         groups: List[PromptGroup] = []
-        for k, (index, prompt, answer, fields) in enumerate(prompts):
+        for k, request in enumerate(requests):
             mine = episodes[k * n:(k + 1) * n]
             groups.append(PromptGroup(
-                index=index, prompt=prompt, answer=answer, fields=fields, prompt_ids=mine[0].prompt_ids,
-                completions=["".join(e.model_text) for e in mine], completion_ids=[e.ids for e in mine],
-                finish_reasons=[e.finish for e in mine], policy_version=version,
+                index=request.index, prompt=request.prompt, answer=request.answer, fields=dict(request.fields),
+                prompt_ids=mine[0].prompt_ids, completions=["".join(e.model_text) for e in mine],
+                completion_ids=[e.ids for e in mine], finish_reasons=[e.finish for e in mine], policy_version=version,
                 sampler_logprobs=None if greedy else [e.logprobs for e in mine],
                 loss_masks=[e.mask for e in mine], transcripts=["".join(e.transcript) for e in mine],
             ))
-        out: Dict[str, Any] = {
-            "completions": float(len(episodes)),
-            "completion_tokens": float(sum(len(e.ids) for e in episodes)),
-            "per_item/policy_version": [version] * len(groups),
-            **stats,
-        }
-        return (*groups, out)
+        stats = {"completions": float(len(episodes)),
+                 "completion_tokens": float(sum(len(e.ids) for e in episodes)), **stats}
+        return (*groups, ChunkReport(stats, versions=(version,) * len(groups)))
 
     def _agent_sampling(self, n: int, temperature, top_p, max_tokens: int, stop, seed, turn, trained: bool):
         """SamplingParams of one endpoint request. A trained turn samples at the run's settings

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import ray
 
+from common.messages import GenerationRequest
+
 GRPO = str(Path(sys.executable).parent / "grpo")
 
 
@@ -74,10 +76,16 @@ def warmed_learner(learners, cfg, zero_stage: int):
         yield learner
 
 
+def seeded(rows, seeds) -> list:
+    """Generation requests of (index, prompt, answer, fields) rows, one seed each."""
+    return [GenerationRequest(index, prompt, answer, fields, seed)
+            for (index, prompt, answer, fields), seed in zip(rows, seeds)]
+
+
 def greedy_ids(worker, prompts=PROMPTS):
     """A generation worker's greedy completion ids for `prompts`."""
-    batch = [(i, p, "", {}) for i, p in enumerate(prompts)]
-    out = ray.get(worker.generate.remote(*batch, n=1, greedy=True, seeds=[0] * len(batch)))
+    batch = seeded([(i, p, "", {}) for i, p in enumerate(prompts)], [0] * len(prompts))
+    out = ray.get(worker.generate.remote(*batch, n=1, greedy=True))
     return [g.completion_ids for g in out[:-1]]
 
 

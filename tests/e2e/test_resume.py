@@ -95,11 +95,12 @@ def test_export_writes_a_folder_transformers_and_vllm_load_with_the_trained_weig
 
     import ray
 
+    from common.messages import GenerationRequest
     from rollout.worker import GenerationWorker
 
     engine = ray.remote(num_cpus=0.1)(GenerationWorker).remote(str(target), system_cfg.rollout, 0)
     try:
-        group, _stats = ray.get(engine.generate.remote((0, "12+34=", "46", {}), n=1, greedy=True, seeds=[0]))
+        group, _report = ray.get(engine.generate.remote(GenerationRequest(0, "12+34=", "46", {}, 0), n=1, greedy=True))
         assert len(group.completion_ids[0]) > 0
     finally:
         ray.kill(engine)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import EngineTap
+from helpers import EngineTap, seeded
 
 AGENTS = textwrap.dedent('''
     import json, time, urllib.request
@@ -133,8 +133,10 @@ def test_trained_ids_are_exactly_the_sampled_ids_of_every_turn(worker):
     worker, tap = worker
     use_agent(worker, "chat")
     before = set(tap.prompts)
-    *groups, stats = worker.generate((0, "12+34=", "46", {}), (1, "7*8=", "56", {}), n=2, greedy=False, seeds=[3, 4])
-    assert stats["agent_errors"] == 0 and stats["agent_timeouts"] == 0, stats.get("first_agent_error")
+    rows = [(0, "12+34=", "46", {}), (1, "7*8=", "56", {})]
+    *groups, report = worker.generate(*seeded(rows, [3, 4]), n=2, greedy=False)
+    stats = report.stats
+    assert stats["agent_errors"] == 0 and stats["agent_timeouts"] == 0, report.records.get("first_agent_error")
     assert stats["turns"] == 8 and stats["off_chain_calls"] == 0
     requests = chains(tap, before)
     assert len(requests) == 8
@@ -165,11 +167,12 @@ def test_a_template_that_is_not_append_only_is_detected_and_the_stored_ids_win(w
         "message['content']", "(('[past]' if message['role'] == 'assistant' and not loop.last else message['content']))")
     try:
         before = set(tap.prompts)
-        *groups, stats = worker.generate((0, "12+34=", "46", {}), n=2, greedy=False, seeds=[5])
+        *groups, report = worker.generate(*seeded([(0, "12+34=", "46", {})], [5]), n=2, greedy=False)
+        stats = report.stats
     finally:
         tokenizer.chat_template = original
     assert stats["template_drift"] == 2
-    assert stats["first_drift"]["turn"] == 1
+    assert report.records["first_drift"]["turn"] == 1
     requests = chains(tap, before)
     for ids in groups[0].completion_ids:
         sequence = groups[0].prompt_ids + ids
@@ -180,7 +183,8 @@ def test_a_template_that_is_not_append_only_is_detected_and_the_stored_ids_win(w
 def test_async_agents_and_side_calls_are_served_but_not_trained(worker):
     worker, tap = worker
     use_agent(worker, "chat_async")
-    *groups, stats = worker.generate((0, "5+5=", "10", {}), n=3, greedy=False, seeds=[7])
+    *groups, report = worker.generate(*seeded([(0, "5+5=", "10", {})], [7]), n=3, greedy=False)
+    stats = report.stats
     assert stats["agent_errors"] == 0
     assert stats["off_chain_calls"] == 3 and stats["turns"] == 3
     assert all(sum(m) == len(ids) for ids, m in zip(groups[0].completion_ids, groups[0].loss_masks))
@@ -191,23 +195,27 @@ def test_hostile_agents_end_only_their_own_episode(worker):
 
     worker, _ = worker
     use_agent(worker, "raises")
-    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
+    *groups, report = worker.generate(*seeded([(0, "1+2=", "3", {})], [1]), n=2, greedy=False)
+    stats = report.stats
     assert stats["agent_errors"] == 2 and groups[0].finish_reasons == ["error", "error"]
     assert all(sum(m) == 0 for m in groups[0].loss_masks)
 
     use_agent(worker, "hangs", timeout_s=3.0)
-    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
+    *groups, report = worker.generate(*seeded([(0, "1+2=", "3", {})], [1]), n=2, greedy=False)
+    stats = report.stats
     assert stats["agent_timeouts"] == 2
 
     use_agent(worker, "hostile")
-    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=1, greedy=False, seeds=[1])
-    assert stats["agent_errors"] == 0, stats.get("first_agent_error")
+    *groups, report = worker.generate(*seeded([(0, "1+2=", "3", {})], [1]), n=1, greedy=False)
+    stats = report.stats
+    assert stats["agent_errors"] == 0, report.records.get("first_agent_error")
     codes = json.loads(groups[0].completions[0])
     assert codes == {"no_key": 401, "wrong_key": 401, "other_session": 404, "too_big": 413, "not_json": 400,
                      "bad_field": 400, "huge_tokens": True}
     assert stats["agent_rejected"] == 6
     # The worker still serves a well-behaved agent afterwards.
     use_agent(worker, "chat")
-    *groups, stats = worker.generate((0, "1+2=", "3", {}), n=2, greedy=False, seeds=[1])
+    *groups, report = worker.generate(*seeded([(0, "1+2=", "3", {})], [1]), n=2, greedy=False)
+    stats = report.stats
     assert stats["agent_errors"] == 0 and stats["turns"] == 4
 

@@ -16,6 +16,7 @@ import ray
 from hostile_cases import BUILTIN, CUSTOM, CUSTOM_SEARCH_PATH, F_TESTS, GOOD_CODE, cases
 from reward.pool import VerifierPool, summarize
 from common.config import RewardConfig
+from common.messages import ScoringRequest
 
 
 TIMEOUT_S = 2.0
@@ -58,7 +59,7 @@ def test_hostile_case_is_scored_and_the_pool_stays_healthy(index, pools, listeni
     case = cases(port=listening_port, tag=TAG)[index]
     control = case.control
     outcomes, stats = pools[case.pool].score_items(
-        [("prompt", case.completion, case.answer, case.fields), ("prompt", *control)])
+        [ScoringRequest("prompt", case.completion, case.answer, case.fields), ScoringRequest("prompt", *control)])
     assert len(outcomes) == 2 and stats["completions"] == 2
     got, healthy = outcomes
     assert set(got.scores) == set(pools[case.pool].names)  # every verifier gave a score
@@ -101,7 +102,8 @@ def test_no_sandbox_process_outlives_its_call(pools):
 
 def test_timeouts_and_errors_are_counted_per_verifier(pools):
     pool = pools["custom"]
-    items = [("p", "HANG", "1", {}), ("p", "EXIT", "1", {}), ("p", "<answer>7</answer>", "1", {})]
+    items = [ScoringRequest("p", "HANG", "1", {}), ScoringRequest("p", "EXIT", "1", {}),
+             ScoringRequest("p", "<answer>7</answer>", "1", {})]
     outcomes, stats = pool.score_items(items)
     metrics = summarize(stats, pool.names)
     assert metrics["reward_timeouts"] == 1 and metrics["reward_timeouts/hang"] == 1
@@ -143,7 +145,7 @@ def test_actor_killed_mid_batch_is_restarted_and_its_batch_retried(ray_session):
     pool = VerifierPool(settings)
     pool.ready()
     slow = "<answer>```python\nimport time\ntime.sleep(1)\ndef f():\n    return 1\n```</answer>"
-    items = [("p", slow, "", {"tests": F_TESTS}) for _ in range(8)]
+    items = [ScoringRequest("p", slow, "", {"tests": F_TESTS}) for _ in range(8)]
     victim = pool.workers[0]
     first_pid = ray.get(victim.pid.remote())
 
@@ -171,7 +173,7 @@ def test_scorer_process_killed_from_outside_is_replaced_and_the_call_retried(ray
     import threading
 
     threading.Timer(0.7, lambda: os.kill(scorer_pid, 9)).start()
-    outcomes, stats = pool.score_items([("p", slow, "", {"tests": F_TESTS})])
+    outcomes, stats = pool.score_items([ScoringRequest("p", slow, "", {"tests": F_TESTS})])
     assert outcomes[0].scores == {"code": 1.0} and not outcomes[0].errors
     assert stats["scorer_restarts"] == 1
     assert ray.get(worker.scorer_pid.remote()) != scorer_pid

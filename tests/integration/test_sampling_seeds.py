@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import ray
 
+from helpers import seeded
 from data.datasets import load_problems
 from rollout.pool import RolloutPool
 
@@ -26,7 +27,7 @@ def test_unseeded_sampling_generates_and_repeats_a_call_on_one_engine(unseeded_w
     seeds = [101 + i for i in range(len(batch))]
 
     def draw(prompt_seeds):
-        return ray.get(unseeded_worker.generate.remote(*batch, n=4, greedy=False, seeds=prompt_seeds))[:-1]
+        return ray.get(unseeded_worker.generate.remote(*seeded(batch, prompt_seeds), n=4, greedy=False))[:-1]
 
     groups = draw(seeds)
     assert [g.group_size for g in groups] == [4] * len(batch)

@@ -12,7 +12,8 @@ from cluster.phases import grpo_step, warm_up
 from common.config import WarmupConfig
 from cluster.roles import evaluate
 from data.datasets import PromptSampler, load_problems
-from rollout.pool import as_batch
+from cluster.batches import generation_requests
+from helpers import seeded
 from helpers import compiled_graphs
 
 
@@ -60,8 +61,9 @@ def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, syste
 
 def test_generation_workers_return_refs_not_payloads(roles, system_cfg):
     train_set = load_problems(system_cfg.data, system_cfg.trainer.seed).train
-    refs, gen = roles.rollout.generate(as_batch(train_set[:3]), 2, greedy=False, seed=5)
-    assert gen["completions"] == 6 and gen["per_item/policy_version"] == [roles.channel.version] * 3
+    gen = roles.rollout.generate(generation_requests(list(enumerate(train_set[:3])), 5), 2, greedy=False)
+    refs = gen.refs
+    assert gen.stats["completions"] == 6 and gen.versions == [roles.channel.version] * 3
     assert all(isinstance(r, ray.ObjectRef) for r in refs)
     scored, stats = roles.verifiers.score(refs)
     assert all(isinstance(r, ray.ObjectRef) for r in scored)
@@ -75,13 +77,13 @@ def test_completion_texts_are_the_texts_vllm_detokenizes(roles, system_cfg):
     """Training samples skip vLLM's detokenizer (rollout/texts.py); their text must still be
     vLLM's own, also for hot samples full of broken UTF-8, where a plain decode differs."""
     # Defined in the test: Ray pickles it by value (the actor cannot import this module).
-    def both_texts(worker, prompts, n: int, seeds, temperature: float):
+    def both_texts(worker, requests, n: int, temperature: float):
         """Runs in the generation actor: its training samples (vLLM's detokenizer off, the text
         decoded after) and the same samples with vLLM's own text."""
-        ours = worker.generate(*prompts, n=n, greedy=False, seeds=seeds, temperature=temperature)[:-1]
-        params = [worker.sampling_params(n, False, seed, temperature) for seed in seeds]
+        ours = worker.generate(*requests, n=n, greedy=False, temperature=temperature)[:-1]
+        params = [worker.sampling_params(n, False, r.seed, temperature) for r in requests]
         assert all(p.detokenize for p in params)
-        vllm = worker.llm.generate([p[1] for p in prompts], params, use_tqdm=False)
+        vllm = worker.llm.generate([r.prompt for r in requests], params, use_tqdm=False)
         tokenizer = worker.llm.get_tokenizer()
         return ([ids for g in ours for ids in g.completion_ids], [t for g in ours for t in g.completions],
                 [list(c.token_ids) for o in vllm for c in o.outputs], [c.text for o in vllm for c in o.outputs],
@@ -90,7 +92,7 @@ def test_completion_texts_are_the_texts_vllm_detokenizes(roles, system_cfg):
     prompts = [(i, p.prompt, p.solution, {}) for i, p in enumerate(load_problems(system_cfg.data, 0).train[:8])]
     worker = roles.rollout.workers[0]
     our_ids, ours, vllm_ids, vllm, plain = ray.get(worker.__ray_call__.remote(
-        both_texts, prompts, 8, list(range(len(prompts))), 2.0))
+        both_texts, seeded(prompts, range(len(prompts))), 8, 2.0))
     assert our_ids == vllm_ids  # the same samples: same seeds
     assert ours == vllm
     assert sum(a != b for a, b in zip(vllm, plain)) > 5, "the hot samples should hold cut UTF-8 characters"
@@ -107,7 +109,7 @@ def test_seeded_samples_are_the_same_whichever_worker_draws_them(roles, system_c
     assert len(set(roles.rollout.versions())) == 1
 
     def ids(worker, prompts, prompt_seeds):
-        groups = ray.get(worker.generate.remote(*prompts, n=4, greedy=False, seeds=prompt_seeds))[:-1]
+        groups = ray.get(worker.generate.remote(*seeded(prompts, prompt_seeds), n=4, greedy=False))[:-1]
         return [g.completion_ids for g in groups]
 
     first = ids(workers[0], batch, seeds)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.sandbox import _hidden_paths, _kept_paths
-from helpers import EngineTap
+from helpers import EngineTap, seeded
 
 HOME = os.path.realpath(os.path.expanduser("~"))
 SECRET_FILE = f"/tmp/gs{os.getpid()}"
@@ -103,8 +103,8 @@ def worker(tool_model):
 
 def generate(worker, prompts, n=1, greedy=True):
     batch = [(i, p, "0", {}) for i, p in enumerate(prompts)]
-    *groups, stats = worker.generate(*batch, n=n, greedy=greedy, seeds=list(range(len(batch))))
-    return groups, stats
+    *groups, report = worker.generate(*seeded(batch, range(len(batch))), n=n, greedy=greedy)
+    return groups, report.stats
 
 
 def observation(group) -> str:

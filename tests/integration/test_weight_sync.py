@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from cluster.sync_channel import WeightSyncChannel, WeightSyncError
-from helpers import engine_state, warmed_learner
+from helpers import engine_state, seeded, warmed_learner
 from rollout.pool import RolloutPool
 
 
@@ -120,12 +120,12 @@ def test_a_push_waits_for_the_workers_generation_calls_outside_the_sync_timeout(
         channel.push(1)
         prompts = [(i, f"{i}+{i}=", "", {}) for i in range(64)]
         busy = [w.generate.options(num_returns=len(prompts) + 1).remote(
-            *prompts, n=16, greedy=False, seeds=list(range(len(prompts)))) for w in pool.workers]
+            *seeded(prompts, range(len(prompts))), n=16, greedy=False) for w in pool.workers]
         ray.wait([refs[-1] for refs in busy], timeout=0.5)  # both calls under way
         channel.push(2)
         assert pool.versions() == [2, 2]
         for refs in busy:  # made before the push, entirely with the weights of version 1
-            assert ray.get(refs[-1])["completion_tokens"] > 0
+            assert ray.get(refs[-1]).stats["completion_tokens"] > 0
             assert {g.policy_version for g in ray.get(refs[:-1])} == {1}
 
 

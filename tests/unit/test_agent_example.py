@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from common.config import DataConfig
-from common.dispatch import add_stats
+from common.dispatch import Dispatched
+from common.messages import ChunkReport
 from data.tiny_model import CHAT_TOOL_TAGS, build_tokenizer
 
 
@@ -116,14 +117,16 @@ def test_the_example_calculator_is_exact_and_runs_nothing_else():
 def test_records_in_chunk_stats_are_kept_not_summed(tmp_path, capsys):
     from cluster.batches import DRIFT_FILE, keep_agent_records
 
-    total: dict = {}
-    add_stats(total, {"turns": 2.0, "first_agent_error": "ValueError: a"}, [0], 2)
-    add_stats(total, {"turns": 3.0, "first_agent_error": "ValueError: b", "first_drift": {"turn": 1}}, [1], 2)
-    assert total == {"turns": 5.0, "first_agent_error": "ValueError: a", "first_drift": {"turn": 1}}
+    total = Dispatched.empty(2)
+    total.add(ChunkReport({"turns": 2.0}, records={"first_agent_error": "ValueError: a"}), [0])
+    total.add(ChunkReport({"turns": 3.0}, records={"first_agent_error": "ValueError: b", "first_drift": {"turn": 1}}),
+              [1])
+    assert total.stats == {"turns": 5.0}
+    assert total.records == {"first_agent_error": "ValueError: a", "first_drift": {"turn": 1}}
 
     cfg = SimpleNamespace(trainer=SimpleNamespace(output_dir=str(tmp_path), run_name="run"))
     (tmp_path / "run").mkdir()
-    keep_agent_records(cfg, 3, {**total, "agent_errors": 1.0})
-    keep_agent_records(cfg, 4, {"first_drift": {"turn": 2}})
+    keep_agent_records(cfg, 3, {**total.stats, "agent_errors": 1.0}, total.records)
+    keep_agent_records(cfg, 4, {}, {"first_drift": {"turn": 2}})
     assert json.loads((tmp_path / "run" / DRIFT_FILE).read_text()) == {"step": 3, "turn": 1}  # the first kept
     assert "step 3: 1 agent episodes failed (scored 0); the first: ValueError: a" in capsys.readouterr().out

@@ -6,19 +6,24 @@ import pytest
 
 from cluster.batches import AsyncBatches, Batch
 from cluster.samples import SampleLog, read, sample_ids
+from common.messages import GenerationRequest
+
+
+def _requests(*indices: int) -> list:
+    return [GenerationRequest(i, f"p{i}", str(i), {}, 0) for i in indices]
 
 
 def test_each_sample_is_one_line_and_a_rewind_keeps_the_steps_up_to_the_checkpoint(tmp_path):
     log = SampleLog(tmp_path)
     for step in (1, 2, 3):
-        log.append(sample_ids(step, [(5, None), (9, None)], [step, step - 1], group_size=2))
+        log.append(sample_ids(step, _requests(5, 9), [step, step - 1], group_size=2))
     assert read(tmp_path)[:4] == [(1, 5, 0, 1), (1, 5, 1, 1), (1, 9, 0, 0), (1, 9, 1, 0)]
     assert len(read(tmp_path)) == 12
     log.rewind(2)  # a learner rebuilt from the checkpoint of step 2
     assert {s[0] for s in read(tmp_path)} == {1, 2}
-    log.append(sample_ids(3, [(5, None), (9, None)], [3, 2], group_size=2))
+    log.append(sample_ids(3, _requests(5, 9), [3, 2], group_size=2))
     resumed = SampleLog(tmp_path, resume_step=3)  # a resume keeps what the checkpoint covers
-    resumed.append(sample_ids(4, [(1, None)], [4], group_size=2))
+    resumed.append(sample_ids(4, _requests(1), [4], group_size=2))
     assert [s[0] for s in read(tmp_path)] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 2
     SampleLog(tmp_path)  # a fresh run starts the file over
     assert read(tmp_path) == []

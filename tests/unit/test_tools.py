@@ -391,7 +391,7 @@ def test_verifiers_see_the_model_s_text_and_the_transcript_as_a_field():
 
 
 def test_grpo_verify_scores_a_transcript_row_as_training_does(tmp_path):
-    from cluster.verify import VerifyInputError, _item, read_rows
+    from cluster.verify import VerifyInputError, _request, read_rows
 
     episode = [{"role": "assistant", "content": "<think><tool>calculator: 2*3</tool>"},
                {"role": "tool", "content": "<result>6</result>"},
@@ -399,9 +399,9 @@ def test_grpo_verify_scores_a_transcript_row_as_training_does(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "2*3=", "answer": "6", "transcript": episode}) + "\n")
     (row,) = read_rows(str(path), ["math"])
-    prompt, completion, answer, fields = _item(row)
-    assert completion == "<think><tool>calculator: 2*3</tool></think><answer>6</answer>"
-    assert fields["transcript"] == "<think><tool>calculator: 2*3</tool><result>6</result></think><answer>6</answer>"
+    request = _request(row)
+    assert request.completion == "<think><tool>calculator: 2*3</tool></think><answer>6</answer>"
+    assert request.fields["transcript"] == "<think><tool>calculator: 2*3</tool><result>6</result></think><answer>6</answer>"
     path.write_text(json.dumps({"prompt": "p", "answer": "6", "transcript": [{"role": "user", "content": "x"}]}))
     with pytest.raises(VerifyInputError, match="line 1: transcript message 0 must be"):
         read_rows(str(path), ["math"])
