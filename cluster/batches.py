@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import pickle
 import threading
@@ -312,7 +313,15 @@ def thaw(data: bytes) -> List[tuple]:
 
     return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs],
                                        items=[_as_request(item) for item in batch.items]))
-            for step, batch in pickle.loads(data)]
+            for step, batch in _Unpickler(io.BytesIO(data)).load()]
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads checkpoints written before a class moved: (module, name) as pickled -> where it is now."""
+    MOVED = {("rollout.datasets", "Problem"): ("common.problem", "Problem")}
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(*self.MOVED.get((module, name), (module, name)))
 
 
 def _as_request(item) -> GenerationRequest:
