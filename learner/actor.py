@@ -56,6 +56,11 @@ class LearnerRank:
         self.sender = WeightSender(self.policy, rank)
         self.state = CheckpointState(self.policy, self.critic, self.tokenizer, rank)
 
+    def __repr__(self) -> str:
+        # Ray names the rank's log files' actor (":actor_name:" in its session's worker logs) and
+        # its errors by this: which process is which rank, seen from outside the driver.
+        return f"LearnerRank(rank={self.rank})"
+
     def _init_distributed(self, master_addr: str, master_port: int) -> None:
         # Ray sets none of torch.distributed's variables; DeepSpeed reads them from the env.
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
