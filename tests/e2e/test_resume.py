@@ -87,8 +87,13 @@ def _ray_logs(proc) -> Path:
     """The logs folder of the Ray that the `grpo train` process `proc` started: Ray names its
     session folder after the pid of the process that started it."""
     pattern = f"{tempfile.gettempdir()}/ray/session_*_{proc.pid}/logs"
-    _wait_for(lambda: glob.glob(pattern), proc, f"the run's Ray session ({pattern})")
-    return Path(glob.glob(pattern)[0])
+    started = psutil.Process(proc.pid).create_time()
+
+    def sessions():  # an older process of the same pid may have left one
+        return [p for p in glob.glob(pattern) if os.path.getmtime(p) >= started - 1]
+
+    _wait_for(sessions, proc, f"the run's Ray session ({pattern})")
+    return Path(sessions()[0])
 
 
 def _alive(pid: int) -> bool:
