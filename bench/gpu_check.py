@@ -154,9 +154,9 @@ def learner_stage(model_path: str, zero_stage: int, vocab: int, shape: dict) -> 
     rank = LearnerRank(0, 1, "127.0.0.1", free_port(), model_path, learner_cfg, AlgoConfig(), shape["completion_len"],
                        seed=0)
     rank.snapshot_reference()  # beta > 0: the frozen reference's forward is part of the step
-    out = {"zero_stage": zero_stage, "setup_s": round(time.perf_counter() - started, 1), "dtype": str(rank.dtype),
+    out = {"zero_stage": zero_stage, "setup_s": round(time.perf_counter() - started, 1), "dtype": str(rank.policy.dtype),
            "device": torch.cuda.get_device_name(0) if gpu else "cpu",
-           "params_m": sum(getattr(p, "ds_numel", p.numel()) for p in rank.engine.module.parameters()) / 1e6}
+           "params_m": sum(getattr(p, "ds_numel", p.numel()) for p in rank.policy.module.parameters()) / 1e6}
     G = 8
     runs = [("full batch, budget", shape["prompts"], shape["budget"]),
             ("half batch, budget", shape["prompts"] // 2, shape["budget"]),
@@ -183,8 +183,8 @@ def learner_stage(model_path: str, zero_stage: int, vocab: int, shape: dict) -> 
             run["error"] = f"out of memory: {str(error).splitlines()[0][:200]}"
         out["runs"].append(run)
     # Packing the weights into bf16 buckets on the GPU (what rank 0 does before each broadcast).
-    spec = weight_sync.make_spec(list(rank._sync_tensors().items()), "bfloat16", 64)
-    named = rank._sync_tensors()
+    spec = weight_sync.make_spec(list(rank.policy.sync_tensors().items()), "bfloat16", 64)
+    named = rank.policy.sync_tensors()
     packs = []
     for _ in range(3):
         start = _clock(sync)

@@ -93,10 +93,10 @@ def _tensors(learner) -> dict:
 
     from common.weight_sync import WeightSpec
 
-    params = list(learner.engine.module.parameters())
+    params = list(learner.policy.module.parameters())
     held = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in params)
     trained = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * 4 for p in params if p.requires_grad)
-    optimizer = learner.optimizer
+    optimizer = learner.policy.optimizer
     state = getattr(optimizer, "optimizer", optimizer).state
     moments = sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
     spec = WeightSpec.from_wire(learner.weight_spec("float32", 64))

@@ -69,6 +69,19 @@ def count_params(folder: str) -> int:
     return total
 
 
+def broadcast_raw(rank, wire_spec: dict) -> None:
+    """On a learner rank (through `__ray_call__`): rank 0 broadcasts buckets of the sync's sizes
+    with nothing packed, a plain broadcast of the same bytes over the same group, the yardstick
+    of the sync's rate."""
+    from common import weight_sync
+
+    group = rank.sender.sync_group
+    spec = weight_sync.WeightSpec.from_wire(wire_spec)
+    for bucket in spec.buckets():
+        weight_sync.broadcast(group, weight_sync.empty_bucket(bucket, spec.dtype, group.device))
+    weight_sync.settle(group)
+
+
 def sync_size(size: str, cache: str, pushes: int, bucket_mb: float, transport: str) -> dict:
     import ray
 
@@ -84,6 +97,7 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float, transport: s
     # beta=0: no frozen reference copy, which the sync never reads (2 GB less at 500M).
     algo = replace(cfg.algo, beta=0.0)
     rollout_cfg = replace(cfg.rollout, max_model_len=256, kv_cache_gib=1, num_workers=2, num_cpus_per_worker=0.5)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # broadcast_raw runs on the ranks
     learner = LearnerGroup(model, learner_cfg, algo, cfg.rollout.max_new_tokens, 0)
     pool = RolloutPool(model, rollout_cfg, 0)
     try:
@@ -102,7 +116,7 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float, transport: s
             # dropped on arrival (no packing, no loading into vLLM).
             start = time.perf_counter()
             receives = [w.receive_raw.remote(channel.spec) for w in pool.workers]
-            ray.get([r.broadcast_raw.remote(channel.spec) for r in learner.ranks] + receives)
+            ray.get([r.__ray_call__.remote(broadcast_raw, channel.spec) for r in learner.ranks] + receives)
             raws.append(time.perf_counter() - start)
         num_bytes = metrics["sync_bytes"]
     finally:

@@ -3,7 +3,6 @@ resume from a checkpoint. cluster/train.py calls them in order.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -29,7 +28,7 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
     examples = [(p.warmup_prompt or p.prompt, p.solution) for p in train_set if p.solution]
     version = 0
     if w.steps and examples:
-        roles.learner.call("load_warmup", ray.put(examples), end_ids)
+        roles.learner.load_warmup(ray.put(examples), end_ids)
         probe = train_set[: w.probe_size]
         done, accuracy = 0, None
         while done < w.steps and (accuracy is None or accuracy < w.target_accuracy):
@@ -42,7 +41,7 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
                 accuracy = evaluate(roles, probe)
         probe_note = f", probe accuracy {accuracy:.1%}" if accuracy is not None else ""
         say(f"warm-up: {done} supervised steps, loss {losses[-1]:.3f}{probe_note}")
-    roles.learner.call("snapshot_reference")  # pi_ref is the model GRPO starts from
+    roles.learner.snapshot_reference()  # pi_ref is the model GRPO starts from
     roles.channel.refresh_spec()  # with LoRA the pushes send adapters from here on
     return version
 
@@ -64,7 +63,6 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
     occupancy = {"buffer_groups": float(len(buffer)), "batches_ahead": float(batches.ahead)}
     samples = sample_ids(step, batch.items, batch.versions, cfg.algo.group_size)
     with roles.channel.lock:  # a restarted worker re-joining waits for this push, not half of it
-        injected_fault(step, roles, during_update=True)
         with timer("time_train"):
             learner_metrics = roles.learner.train_step(buffer.take(len(batch.refs)), cfg.rollout.temperature, lr)
         with timer("time_weight_sync"):
@@ -132,7 +130,7 @@ def resume(roles: Roles, checkpoint: Path, sampler) -> Tuple[TrainerState, list]
     from cluster.checkpoint import load_trainer_state, restore_driver_rng
 
     state = load_trainer_state(checkpoint)
-    roles.learner.call("load_checkpoint", str(checkpoint))
+    roles.learner.load_checkpoint(str(checkpoint))
     roles.channel.refresh_spec()  # a LoRA checkpoint's policy pushes its base, then adapters
     sampler.load_state_dict(state.sampler)
     restore_driver_rng(state.rng)
@@ -149,58 +147,6 @@ def resume_hint(cfg: Config, run_dir: Path) -> str:
         return "No checkpoint was written (set trainer.save_every to have one next time)."
     return (f"Its last checkpoint is {last}: continue with the same overrides plus "
             f"trainer.run_name={cfg.trainer.run_name} trainer.resume=auto")
-
-
-def injected_fault(step: int, roles: Roles, during_update: bool = False) -> None:
-    """Fault injection for the recovery tests and bench/chaos.py, once step k is logged and
-    checkpointed: GRPO_FAULT=driver@k kills this process (SIGKILL, as a lost head node would);
-    GRPO_FAULT=learner@k kills the last learner rank (the next update then fails). During step
-    k's update (`during_update`): GRPO_FAULT=learner-update@k kills the last rank moments after
-    the update started on the ranks. Several faults: comma-separated, each applied once per
-    process (a recovered run that trains step k again is not killed again). GRPO_FAULT=census@k
-    writes what Ray holds to $GRPO_CENSUS_FILE (`write_census`)."""
-    for fault in os.environ.get("GRPO_FAULT", "").split(","):
-        if not fault.endswith(f"@{step}") or fault in _FAULTS_DONE:
-            continue
-        kind = fault.split("@")[0]
-        if (kind == "learner-update") != during_update:
-            continue
-        _FAULTS_DONE.add(fault)
-        if kind == "driver":
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "learner":
-            import ray
-
-            ray.kill(roles.learner.ranks[-1])
-        elif kind == "learner-update":
-            import threading
-
-            import ray
-
-            threading.Timer(UPDATE_FAULT_DELAY_S, ray.kill, [roles.learner.ranks[-1]]).start()
-        elif kind == "census":
-            write_census(os.environ["GRPO_CENSUS_FILE"])
-
-
-def write_census(path: str) -> None:
-    """What this run's Ray holds (placement groups by name and state, actors by class and
-    state), as JSON: the recovery tests check that a rebuilt learner left nothing behind."""
-    import json
-
-    import ray
-    from ray._private import state
-
-    groups = [[g["name"], g["state"]] for g in ray.util.placement_group_table().values()]
-    actors = [[a.get("ActorClassName") or a.get("Name", ""), a["State"]] for a in state.actors().values()]
-    Path(path).write_text(json.dumps({"placement_groups": groups, "actors": actors}))
-
-
-_FAULTS_DONE: set = set()
-UPDATE_FAULT_DELAY_S = 0.2
-"""learner-update@k: how long after the update's calls are sent the rank is killed (they are
-sent right after; the shortest test update lasts longer)."""
 
 
 def algorithm(cfg: Config) -> str:

@@ -12,7 +12,6 @@ on the same samples, so the final model is the straight run's.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from cluster.buffer import RolloutBuffer
 from cluster.checkpoint import latest_checkpoint
@@ -33,7 +32,7 @@ def recover_learner(run, step: int, error: Exception) -> int:
         raise type(error)(f"{error} at step {step}; the run stopped{spent}. "
                           + resume_hint(cfg, run.run_dir)) from error
     started = time.monotonic()
-    rank = lost_rank(run.roles.learner, error.__cause__)
+    rank = run.roles.learner.rank_index(error.__cause__)
     run.stop_batches()  # an async batch thread finishes its batch with the generation workers
     run.roles.restart_learner(cfg)
     run.buffer = RolloutBuffer()  # what the failed step had put there is trained again, from the batch
@@ -52,10 +51,3 @@ def recover_learner(run, step: int, error: Exception) -> int:
         rank, time.monotonic() - started, during).line(step))
     return back + 1
 
-
-def lost_rank(learner, cause: Optional[BaseException]) -> int:
-    """The index of the rank `cause` (a RayActorError) names; -1 when it names none."""
-    actor_id = getattr(cause, "actor_id", None)
-    actor_id = actor_id.hex() if isinstance(actor_id, bytes) else actor_id
-    ids = [r._actor_id.hex() for r in learner.ranks]
-    return ids.index(actor_id) if actor_id in ids else -1

@@ -42,9 +42,8 @@ class WeightSyncChannel:
         """Ask the learner what a push sends (again after it changed: LoRA's adapters from the
         reference's snapshot or a resume on). When the push sends adapters, the engines get the
         base once first (`base_spec`, on the next push), as after a worker's restart."""
-        # Every rank joins: under ZeRO-3 reading the full shapes is a collective gather.
-        spec = self.learner.call("weight_spec", self.dtype, self.bucket_mb)[0]
-        self.base_spec = self.learner.call("weight_spec", self.dtype, self.bucket_mb, "base")[0]
+        spec = self.learner.weight_spec(self.dtype, self.bucket_mb)
+        self.base_spec = self.learner.weight_spec(self.dtype, self.bucket_mb, "base")
         unchanged = self.base_spec is None and getattr(self, "spec", None) is not None and all(
             spec[k] == self.spec[k] for k in ("tensors", "dtype", "bucket_bytes"))
         if unchanged:
@@ -57,12 +56,12 @@ class WeightSyncChannel:
         """(Re)build the sync group: learner rank 0 is the root; each worker's tensor-parallel
         ranks follow, from 1 on. Every member joins at once: the group's constructor waits for
         all of them."""
-        host, port, self.backend = ray.get(self.learner.rank0.sync_address.remote())
-        per_worker = self.rollout.sync_ranks
-        world = 1 + per_worker * len(self.rollout.workers)
-        joins = [self.learner.rank0.init_weight_sync.remote(host, port, world, self.timeout_s, self.backend)]
+        host, port, self.backend = self.learner.sync_address()
+        per_worker, members = self.rollout.sync_ranks, self.rollout.sync_members()
+        world = 1 + per_worker * len(members)
+        joins = [self.learner.join_weight_sync(host, port, world, self.timeout_s, self.backend)]
         joins += [w.init_weight_sync.remote(host, port, 1 + i * per_worker, world, self.timeout_s, self.backend)
-                  for i, w in enumerate(self.rollout.workers)]
+                  for i, w in enumerate(members)]
         self._wait(joins, "joining the weight-sync group")
         # A new group gets a new shared file (a restarted worker maps it afresh); its name is
         # unlinked after the first push, once every receiver has mapped it.
@@ -77,9 +76,9 @@ class WeightSyncChannel:
         """The shared-memory file of sync.transport=shm/auto, or None to broadcast the bytes."""
         if self.transport == "broadcast":
             return None
-        same_node = all(ip == learner_ip for ip in ray.get([w.node_ip.remote() for w in self.rollout.workers]))
+        same_node = all(ip == learner_ip for ip in ray.get([w.node_ip.remote() for w in self.rollout.sync_members()]))
         # Room for the model twice over: what else uses /dev/shm (Ray's object store) may grow.
-        room = ray.get(self.learner.rank0.shm_free_bytes.remote()) >= 2 * weight_sync.WeightSpec.from_wire(
+        room = self.learner.shm_free_bytes() >= 2 * weight_sync.WeightSpec.from_wire(
             self.base_spec or self.spec).total_bytes
         if not (self.backend == "gloo" and same_node and room):
             if self.transport == "shm":
@@ -129,28 +128,20 @@ class WeightSyncChannel:
             # sender leaves the broken group (the survivors' pending receives fail at once),
             # every worker re-joins and the push runs again, once.
             started = time.monotonic()
-            ray.get(self.learner.rank0.leave_weight_sync.remote())
-            for w in self.rollout.workers:
+            self.learner.leave_weight_sync()
+            for w in self.rollout.sync_members():
                 call_when_up(w.ready, self.timeout_s)
             self._join()
             metrics = self._push(version)
-            event = RestartEvent("generation worker", death_cause(died), self._worker_index(died),
+            event = RestartEvent("generation worker", death_cause(died), self.rollout.worker_index(died),
                                  time.monotonic() - started, "the weight push")
             return {**metrics, "sync_worker_restarts": 1.0, "restart_events": [event]}
-
-    def _worker_index(self, cause) -> int:
-        actor_id = getattr(cause, "actor_id", None)
-        actor_id = actor_id.hex() if isinstance(actor_id, bytes) else actor_id
-        ids = [w._actor_id.hex() for w in self.rollout.workers]
-        return ids.index(actor_id) if actor_id in ids else -1
 
     def _worker_died(self, error: WeightSyncError) -> bool:
         cause = error.__cause__
         if not isinstance(cause, ray.exceptions.RayActorError) or self.rollout.recover is None:
             return False
-        workers = {w._actor_id.hex() for w in self.rollout.workers}
-        actor_id = getattr(cause, "actor_id", None)
-        return (actor_id.hex() if isinstance(actor_id, bytes) else actor_id) in workers
+        return self.rollout.worker_index(cause) >= 0
 
     def _dead_receiver(self, receives):
         """The RayActorError of a receiver that died, if one did: a dead actor's call fails within
@@ -172,8 +163,8 @@ class WeightSyncChannel:
         return self._push_spec(self.spec, version)
 
     def _push_spec(self, spec: dict, version: int) -> Dict[str, float]:
-        sends = [r.broadcast_weights.remote(spec) for r in self.learner.ranks]
-        receives = [w.receive_weights.remote(spec, version) for w in self.rollout.workers]
+        sends = self.learner.send_weights(spec)
+        receives = [w.receive_weights.remote(spec, version) for w in self.rollout.sync_members()]
         try:
             results = self._wait(sends + receives, f"weight sync to version {version}")
         except ray.exceptions.RayTaskError as error:
@@ -189,7 +180,7 @@ class WeightSyncChannel:
             raise WeightSyncError(f"workers report versions {reported} after pushing version {version}")
         self.version = version
         if self._unlink_after_push:
-            ray.get(self.learner.rank0.unlink_sync_file.remote(self._unlink_after_push))
+            self.learner.unlink_sync_file(self._unlink_after_push)
             self._unlink_after_push = None
         metrics = dict(results[0])
         slowest = max(results[len(sends):], key=lambda r: r["load_s"])

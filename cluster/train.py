@@ -80,7 +80,7 @@ def begin(run: Run, train_set, heldout, resume_from: Optional[Path]) -> int:
 def run_steps(run: Run, first_step: int, heldout) -> None:
     """The GRPO steps: each one logged, evaluated and checkpointed as configured."""
     from cluster.exits import steps_running
-    from cluster.phases import grpo_step, injected_fault, make_batches
+    from cluster.phases import grpo_step, make_batches
     from cluster.recovery import recover_learner
     from cluster.sync_channel import WeightSyncError
     from learner.group import LearnerError
@@ -101,7 +101,6 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
                 # to go on.
                 step = recover_learner(run, step, error)
                 continue
-            injected_fault(step, run.roles)
             step += 1
     run.stop_batches()
 

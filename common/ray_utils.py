@@ -74,3 +74,12 @@ def death_cause(error: BaseException) -> str:
     if type(error).__name__ == "ActorUnavailableError":
         return "its process stopped answering (killed or crashed)"
     return type(error).__name__
+
+
+def actor_index(handles, cause) -> int:
+    """The index in `handles` of the actor `cause` (a RayActorError) names; -1 when it names
+    none of them. Ray gives a handle no public id: `_actor_id` is read here and nowhere else."""
+    actor_id = getattr(cause, "actor_id", None)
+    actor_id = actor_id.hex() if isinstance(actor_id, bytes) else actor_id
+    ids = [h._actor_id.hex() for h in handles]
+    return ids.index(actor_id) if actor_id in ids else -1

@@ -1,12 +1,14 @@
-"""The learner's ranks as one group: start them together, call every rank, shard the groups."""
+"""The learner's ranks as one group: start them together, call every rank, shard the groups.
+
+The driver reaches the ranks only through this class's methods."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import ray
 
 from common.config import AlgoConfig, LearnerConfig
-from common.ray_utils import free_port, node_ip
+from common.ray_utils import actor_index, free_port, node_ip
 from learner.actor import LearnerRank
 from learner.metrics import combine_metrics
 
@@ -75,14 +77,18 @@ class LearnerGroup:
                                                   max_new_tokens, seed)
             for rank in range(world)
         ]
-        self.rank0 = self.ranks[0]
 
-    def call(self, method: str, *args) -> list:
-        """Call `method` on every rank at once (collectives need all of them) and wait."""
-        return _get([getattr(r, method).remote(*args) for r in self.ranks], method)
+    def load_warmup(self, examples, end_ids: Optional[List[int]] = None) -> int:
+        """Every rank tokenises the warm-up's (prompt, target) pairs (`examples`: a list, or
+        its ObjectRef); returns how many."""
+        return _get([r.load_warmup.remote(examples, end_ids) for r in self.ranks], "load_warmup")[0]
 
     def warmup(self, steps: int, batch_size: int, lr: float, seed: int) -> List[float]:
-        return self.call("warmup", steps, batch_size, lr, seed)[0]
+        return _get([r.warmup.remote(steps, batch_size, lr, seed) for r in self.ranks], "warmup")[0]
+
+    def snapshot_reference(self) -> None:
+        """pi_ref is the policy now (with LoRA: adapters are trained from here on)."""
+        _get([r.snapshot_reference.remote() for r in self.ranks], "snapshot_reference")
 
     def train_step(self, group_refs: Sequence[ray.ObjectRef], temperature: float, lr: float) -> Dict[str, float]:
         """Each rank gets an equal, contiguous share of whole groups; their metrics are combined
@@ -98,10 +104,48 @@ class LearnerGroup:
 
     def save_checkpoint(self, folder: str) -> None:
         """Every rank writes its part of the checkpoint (DeepSpeed saving is collective)."""
-        self.call("save_checkpoint", folder)
+        _get([r.save_checkpoint.remote(folder) for r in self.ranks], "save_checkpoint")
+
+    def load_checkpoint(self, folder: str) -> None:
+        _get([r.load_checkpoint.remote(folder) for r in self.ranks], "load_checkpoint")
 
     def save_pretrained(self, folder: str, part: str = "merged") -> str:
-        return self.call("save_pretrained", folder, part)[0]
+        return _get([r.save_pretrained.remote(folder, part) for r in self.ranks], "save_pretrained")[0]
+
+    # ---- the weight-sync sender (learner/weight_sender.py); rank 0 is the group's root -------
+    def weight_spec(self, dtype: str, bucket_mb: float, part: str = "policy") -> Optional[dict]:
+        """What a push sends (None: `base` of a policy that pushes no adapters). Every rank
+        joins: under ZeRO-3 reading the full shapes is a collective gather."""
+        return _get([r.weight_spec.remote(dtype, bucket_mb, part) for r in self.ranks], "weight_spec")[0]
+
+    def sync_address(self) -> Tuple[str, int, str]:
+        """(host, port, backend) of the sync group's rendezvous, hosted by rank 0."""
+        return ray.get(self.ranks[0].sync_address.remote())
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float,
+                         backend: str) -> ray.ObjectRef:
+        """Rank 0 joins the sync group as its root; the caller waits for the returned call
+        together with the receivers' joins (the group forms once every member joined)."""
+        return self.ranks[0].init_weight_sync.remote(host, port, world_size, timeout_s, backend)
+
+    def leave_weight_sync(self) -> None:
+        ray.get(self.ranks[0].leave_weight_sync.remote())
+
+    def send_weights(self, spec: dict) -> List[ray.ObjectRef]:
+        """Every rank's part of one push (ZeRO-3's gathers; rank 0 sends), its metrics first;
+        the caller waits for them together with the receives."""
+        return [r.broadcast_weights.remote(spec) for r in self.ranks]
+
+    def shm_free_bytes(self) -> int:
+        """Free bytes of /dev/shm on rank 0's node."""
+        return ray.get(self.ranks[0].shm_free_bytes.remote())
+
+    def unlink_sync_file(self, path: str) -> None:
+        ray.get(self.ranks[0].unlink_sync_file.remote(path))
+
+    def rank_index(self, cause: Optional[BaseException]) -> int:
+        """The index of the rank `cause` (a RayActorError) names; -1 when it names none."""
+        return actor_index(self.ranks, cause)
 
     def shutdown(self) -> None:
         for r in self.ranks:

@@ -16,6 +16,7 @@ from common.backends import GenerationBackend
 from common.config import RolloutConfig
 from common.dispatch import Dispatched, as_list, call_when_up, chunk_size, dispatch
 from common.messages import GenerationRequest
+from common.ray_utils import actor_index
 from common.seeds import engine_seed
 from rollout.worker import EngineStartError, GenerationWorker
 
@@ -91,6 +92,15 @@ class RolloutPool:
             idle = [w.ready.remote() for w in self.workers]
             ray.wait(idle, num_returns=len(idle))  # a dead worker's error is the push's to handle
             yield
+
+    def sync_members(self) -> list:
+        """The workers in the weight-sync group, in order: worker i's tensor-parallel ranks are
+        the group's ranks 1 + i * sync_ranks on."""
+        return list(self.workers)
+
+    def worker_index(self, cause) -> int:
+        """The index of the worker `cause` (a RayActorError) names; -1 when it names none."""
+        return actor_index(self.workers, cause)
 
     def versions(self) -> List[int]:
         return ray.get([w.ready.remote() for w in self.workers])

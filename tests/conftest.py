@@ -112,7 +112,7 @@ class SessionRoles:
             roles = None
             try:
                 roles = start_roles(self.cfg)
-                roles.learner.call("snapshot_reference")  # saved with it: pi_ref = the initial model
+                roles.learner.snapshot_reference()  # saved with it: pi_ref = the initial model
                 roles.learner.save_checkpoint(self.checkpoint)
             except BaseException as error:
                 self.error = error
@@ -160,7 +160,7 @@ def initial_roles(roles, initial_checkpoint):
     """The session's roles with the learner back at its initial weights, optimizer state and
     reference, whichever tests trained it before (the workers get them with the next push).
     For tests that measure learning: from another starting point the same steps learn less."""
-    roles.learner.call("load_checkpoint", initial_checkpoint)
+    roles.learner.load_checkpoint(initial_checkpoint)
     return roles
 
 

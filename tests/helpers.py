@@ -71,7 +71,7 @@ def warmed_learner(learners, cfg, zero_stage: int):
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     with learners.learner(cfg.model.path, learner_cfg, cfg.algo, cfg.rollout.max_new_tokens, 0) as learner:
         train_set = load_problems(cfg.data, 0).train
-        learner.call("load_warmup", ray.put([(p.prompt, p.solution) for p in train_set]))
+        learner.load_warmup(ray.put([(p.prompt, p.solution) for p in train_set]))
         learner.warmup(3, 16, 3e-3, 0)
         yield learner
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import ray
 
+from learner import engines
 from learner.actor import LearnerRank
 from learner.group import LearnerGroup
 
@@ -45,6 +46,50 @@ class RebuiltRank(LearnerRank):
         LearnerRank.__init__(self, *self._place, *settings)
 
 
+# ---- probes: run on every rank through Ray's `__ray_call__` (`probe(learner, state_copy)`) -------
+def probe(learner, fn, *args) -> list:
+    """`fn(rank, *args)` on every rank of `learner` at once (a ZeRO-3 gather needs all), in
+    rank order."""
+    return ray.get([r.__ray_call__.remote(fn, *args) for r in learner.ranks])
+
+
+def state_copy(rank) -> dict:
+    """Full parameters on CPU."""
+    return engines.full_state(rank.policy.module, rank.cfg.zero_stage)
+
+
+def checkpointed_blocks(rank) -> int:
+    """Blocks of the policy that recompute their activations in the backward pass."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(1 for m in rank.policy.module.modules()
+               if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training)
+
+
+def reference_numel(rank) -> dict:
+    """Elements of pi_ref this rank holds (under ZeRO-3 its partitions), and the full model's."""
+    params = list(engines.unwrapped(rank.policy.ref_model).parameters())
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    return {"held": held, "full": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+
+
+def reference_state(rank) -> dict:
+    """pi_ref's full parameters on CPU (a collective under ZeRO-3)."""
+    return engines.full_state(engines.unwrapped(rank.policy.ref_model), rank.cfg.zero_stage)
+
+
+def trained_numel(rank) -> dict:
+    """Elements with optimizer state on this rank, and every parameter's."""
+    import torch
+
+    optimizer, module = rank.policy.optimizer, rank.policy.module
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {"optimizer_params": sum(p.numel() for p in params), "state": sum(t.numel() for t in state),
+            "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "all": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())}
+
+
 # Ray workers cannot import this module (it lives on pytest's path, not the package's): its
 # class travels by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -62,7 +107,7 @@ class LearnerPool:
         if group is None:
             group = LearnerGroup(*settings, rank_class=RebuiltRank)
         else:
-            group.call("rebuild", *settings)
+            ray.get([r.rebuild.remote(*settings) for r in group.ranks])
         try:
             yield group
         except BaseException:

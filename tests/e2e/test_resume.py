@@ -6,15 +6,27 @@ resumed with `trainer.resume=auto` while a learner rank is SIGKILLed mid-update 
 run rebuilds the learner by itself); and the same pair of straight and interrupted runs in
 async mode. Every metrics.jsonl line must be equal except wall-clock timings, and so must
 samples.jsonl and the final weights.
+
+The faults come from outside, as a cluster loses processes: this test finds a learner rank's
+process in the run's own Ray session (its worker logs name each actor process by pid, and a
+rank by its repr) and SIGKILLs it, or SIGKILLs the driver; it reads what Ray holds from the
+same session's logs.
 """
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
+import tempfile
+import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -50,6 +62,108 @@ def _weights(folder):
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+def _logged(metrics: Path) -> list:
+    """The steps metrics.jsonl holds now (a line still being written left out)."""
+    steps = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return steps
+
+
+def _wait_for(condition, proc, what: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+def _ray_logs(proc) -> Path:
+    """The logs folder of the Ray that the `grpo train` process `proc` started: Ray names its
+    session folder after the pid of the process that started it."""
+    pattern = f"{tempfile.gettempdir()}/ray/session_*_{proc.pid}/logs"
+    started = psutil.Process(proc.pid).create_time()
+
+    def sessions():  # an older process of the same pid may have left one
+        return [p for p in glob.glob(pattern) if os.path.getmtime(p) >= started - 1]
+
+    _wait_for(sessions, proc, f"the run's Ray session ({pattern})")
+    return Path(sessions()[0])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _actors(logs: Path) -> list:
+    """(name, pid) of every actor process of the run's Ray: each worker's log file is named by
+    its pid and holds the actor's name (":actor_name:", its repr once it started)."""
+    found = []
+    for out in logs.glob("worker-*.out"):
+        names = re.findall(r"^:actor_name:(.+)$", out.read_text(errors="replace"), re.M)
+        if names:
+            found.append((names[-1], int(out.stem.rsplit("-", 1)[1])))
+    return found
+
+
+def _kill_rank_mid_update(proc, logs: Path, rank: int = 1) -> None:
+    """SIGKILL learner rank `rank`'s process once it runs its next update (Ray titles an actor's
+    process by the method it runs), as a lost process ends it."""
+    pids: list = []
+    _wait_for(lambda: pids.extend(pid for name, pid in _actors(logs)
+                                  if name == f"LearnerRank(rank={rank})" and _alive(pid)) or pids,
+              proc, f"a live learner rank {rank}")
+    victim = psutil.Process(pids[0])
+    _wait_for(lambda: (victim.cmdline() or [""])[0].startswith("ray::LearnerRank.train_step"), proc,
+              f"an update on learner rank {rank}")
+    os.kill(victim.pid, signal.SIGKILL)
+
+
+def _census(logs: Path) -> dict:
+    """What the run's Ray holds, from its session's logs: placement groups by name and state
+    (the GCS logs each one's registration, creation and removal) and actors by class and state
+    (alive while its process is)."""
+    groups: dict = {}
+    for line in (logs / "gcs_server.out").read_text(errors="replace").splitlines():
+        registered = re.search(r"Registering placement group, placement group id = (\w+), name = ([^,]*),", line)
+        created = re.search(r"Successfully created placement group .*, id: (\w+)", line)
+        removed = (re.search(r"Placement group of an id, (\w+) is removed successfully", line)
+                   or re.search(r"Removed placement group because its job finished\. placement_group_id=(\w+)", line))
+        if registered:
+            groups[registered[1]] = [registered[2], "PENDING"]
+        elif created or removed:
+            groups[(created or removed)[1]][1] = "CREATED" if created else "REMOVED"
+    actors = [[name.split("(")[0], "ALIVE" if _alive(pid) else "DEAD"] for name, pid in _actors(logs)]
+    return {"placement_groups": list(groups.values()), "actors": actors}
+
+
+def _watched(args: list, faults) -> tuple:
+    """`grpo train args` while `faults(proc, stdout_lines)` acts on it from outside; its output
+    captured as `run` captures it, and what `faults` returned."""
+    proc = subprocess.Popen([GRPO, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list = []
+    err: list = []
+    readers = [threading.Thread(target=sink.extend, args=(stream,), daemon=True)
+               for stream, sink in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        found = faults(proc, out)
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for reader in readers:
+        reader.join(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(err)), found
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +262,20 @@ def preempted(runs, model_cache):
     (checkpoints / f".tmp-step-{stopped.step + 1:06d}" / "learner").mkdir(parents=True)
     shutil.copytree(checkpoints / f"step-{stopped.step:06d}", checkpoints / "step-000005")
     (checkpoints / "step-000005" / "trainer_state.json").unlink()
-    census = out / "census.json"
-    resumed = run(GRPO, "train", *args, "trainer.resume=auto",
-                  env={"GRPO_FAULT": f"learner-update@{STEPS},census@{STEPS}", "GRPO_CENSUS_FILE": str(census)})
-    return run_dir, stopped, resumed, json.loads(census.read_text())
+
+    def faults(proc, stdout):
+        """Learner rank 1 lost during the last step's update; what Ray holds once the run has
+        rebuilt its learner and trained a step with it."""
+        logs = _ray_logs(proc)
+        _wait_for(lambda: (_logged(metrics) or [0])[-1] >= STEPS - 1, proc, f"step {STEPS - 1} logged")
+        _kill_rank_mid_update(proc, logs)
+        _wait_for(lambda: any("learner rank" in line and " died " in line for line in stdout), proc,
+                  "the learner's rebuild")
+        _wait_for(lambda: (_logged(metrics) or [0])[-1] > stopped.step, proc, "a step of the rebuilt learner")
+        return _census(logs)
+
+    resumed, census = _watched([*args, "trainer.resume=auto"], faults)
+    return run_dir, stopped, resumed, census
 
 
 def test_sigterm_ends_the_step_checkpoints_it_and_exits_143_with_the_resume_line(preempted):
@@ -213,7 +337,18 @@ def async_runs(model_cache, tmp_path_factory):
 
     straight = run(GRPO, "train", *args("straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = run(GRPO, "train", *args("resumed"), env={"GRPO_FAULT": "learner-update@3,driver@3"})
+    metrics = out / "resumed" / "metrics.jsonl"
+
+    def faults(proc, _stdout):
+        """Learner rank 1 lost during step 3's update; the driver SIGKILLed (as a lost head node)
+        once the rebuilt learner's step 3 is logged."""
+        logs = _ray_logs(proc)
+        _wait_for(lambda: 2 in _logged(metrics), proc, "step 2 logged")
+        _kill_rank_mid_update(proc, logs)
+        _wait_for(lambda: 3 in _logged(metrics), proc, "step 3 logged")
+        proc.send_signal(signal.SIGKILL)
+
+    killed, _ = _watched(args("resumed"), faults)
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
     resumed = run(GRPO, "train", *args("resumed", "trainer.resume=auto"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -25,6 +25,7 @@ import ray
 import torch
 
 from learner import grpo
+from learner_pool import probe, checkpointed_blocks, reference_numel, reference_state, state_copy
 from helpers import varied_groups
 
 
@@ -52,11 +53,11 @@ def _one_step(learners, cfg, groups, num_ranks: int, zero_stage: int, micro_toke
     with learners.learner(cfg.model.path, learner_cfg, algo_cfg, max_length, cfg.trainer.seed) as learner:
         if learner_settings and learner_settings.get("gradient_checkpointing"):  # on for real, every block
             layers = json.loads((Path(cfg.model.path) / "config.json").read_text())["num_hidden_layers"]
-            assert learner.call("checkpointed_blocks") == [layers] * num_ranks
-        learner.call("snapshot_reference")
-        before = learner.call("state_copy")[0]  # a collective under ZeRO-3: every rank joins
+            assert probe(learner, checkpointed_blocks) == [layers] * num_ranks
+        learner.snapshot_reference()
+        before = probe(learner, state_copy)[0]  # a collective under ZeRO-3: every rank joins
         metrics = learner.train_step([ray.put(g) for g in groups], 1.0, lr)
-        states = learner.call("state_copy")
+        states = probe(learner, state_copy)
     for other in states[1:]:  # every rank holds the same full model after the step
         assert all(torch.equal(states[0][k], other[k]) for k in states[0])
     update = {k: (before[k] - states[0][k]) / lr for k in before}
@@ -371,16 +372,16 @@ def test_zero3_reference_is_sharded_and_survives_a_checkpoint(learners, system_c
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
                           0) as learner:
-        learner.call("snapshot_reference")
-        held = learner.call("reference_numel")
+        learner.snapshot_reference()
+        held = probe(learner, reference_numel)
         # a half each, padded per tensor: sharded, and not left empty
         assert all(h["full"] / 2 <= h["held"] <= h["full"] / 2 + 1024 for h in held), held
-        policy = learner.call("state_copy")[0]
-        assert _same(learner.call("reference_state")[0], policy)
+        policy = probe(learner, state_copy)[0]
+        assert _same(probe(learner, reference_state)[0], policy)
         learner.save_checkpoint(str(tmp_path))
-        learner.call("load_checkpoint", str(tmp_path))
-        assert learner.call("reference_numel") == held
-        assert _same(learner.call("reference_state")[1], policy)
+        learner.load_checkpoint(str(tmp_path))
+        assert probe(learner, reference_numel) == held
+        assert _same(probe(learner, reference_state)[1], policy)
         saved = torch.load(tmp_path / "reference.pt", map_location="cpu")
         assert sum(v.numel() for v in saved.values()) >= held[0]["full"]  # saved whole
         assert _same(saved, policy)
@@ -395,12 +396,12 @@ def test_zero3_reference_copied_shard_to_shard_is_the_policy_after_steps(learner
                           deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": persistence}})
     with learners.learner(system_cfg.model.path, learner_cfg, system_cfg.algo, system_cfg.rollout.max_new_tokens,
                           0) as learner:
-        learner.call("snapshot_reference")
+        learner.snapshot_reference()
         learner.train_step([ray.put(g) for g in batch], 1.0, 1e-2)
-        learner.call("snapshot_reference")
-        policy = learner.call("state_copy")[0]
+        learner.snapshot_reference()
+        policy = probe(learner, state_copy)[0]
         assert not _same(policy, _initial_weights(system_cfg.model.path)), "the step changed nothing"
-        for state in learner.call("reference_state"):
+        for state in probe(learner, reference_state):
             assert _same(state, policy)
 
 

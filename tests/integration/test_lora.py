@@ -13,6 +13,7 @@ import torch
 
 from cluster.sync_channel import WeightSyncChannel
 from common.config import LoraConfig
+from learner_pool import probe, state_copy, trained_numel
 from helpers import engine_state, varied_groups, warmed_learner
 from learner import engines, grpo
 from rollout.pool import RolloutPool
@@ -97,12 +98,12 @@ def test_lora_steps_are_the_adapter_gradient_by_hand(learners, system_cfg):
     vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
     groups = varied_groups(vocab, G)
     with learners.learner(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0) as learner:
-        learner.call("snapshot_reference")
-        numel = learner.call("trained_numel")[0]
-        states = [learner.call("state_copy")[0]]
+        learner.snapshot_reference()
+        numel = probe(learner, trained_numel)[0]
+        states = [probe(learner, state_copy)[0]]
         for _ in range(2):
             learner.train_step([ray.put(g) for g in groups], 1.0, 1.0)
-            states.append(learner.call("state_copy")[0])
+            states.append(probe(learner, state_copy)[0])
     # Only the adapters train and the optimizer holds nothing else: 2 r (d_in + d_out) each.
     dims = json.loads((Path(cfg.model.path) / "config.json").read_text())
     h, m, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
@@ -126,7 +127,7 @@ def test_adapter_push_equals_a_fresh_engine_with_the_saved_adapter(learners, fre
     pool = RolloutPool(cfg.model.path, rollout, 0)
     try:
         with warmed_learner(learners, cfg, 2) as learner:  # a base other than the engines' initial weights
-            learner.call("snapshot_reference")
+            learner.snapshot_reference()
             channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
             vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
             learner.train_step([ray.put(g) for g in varied_groups(vocab, G)], 1.0, 1e-2)
@@ -157,15 +158,15 @@ def test_lora_resume_is_bit_exact(learners, system_cfg, tmp_path):
     refs = [ray.put(g) for g in varied_groups(vocab, G)]
     settings = (cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0)
     with learners.learner(*settings) as learner:
-        learner.call("snapshot_reference")
+        learner.snapshot_reference()
         learner.train_step(refs, 1.0, 1e-2)
         learner.save_checkpoint(str(tmp_path))
         learner.train_step(refs, 1.0, 1e-2)
-        went_on = learner.call("state_copy")[0]
+        went_on = probe(learner, state_copy)[0]
     with learners.learner(*settings) as learner:  # rebuilt: the full model again, as a new run starts
-        learner.call("load_checkpoint", str(tmp_path))
+        learner.load_checkpoint(str(tmp_path))
         learner.train_step(refs, 1.0, 1e-2)
-        resumed = learner.call("state_copy")[0]
+        resumed = probe(learner, state_copy)[0]
     assert went_on.keys() == resumed.keys()
     assert all(torch.equal(went_on[k], resumed[k]) for k in went_on), "the resumed step differs"
     assert (tmp_path / "base.pt").is_file() and (tmp_path / "adapter" / "adapter_config.json").is_file()

@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from learner_pool import probe, state_copy
 from helpers import varied_groups
 
 MICRO_TOKENS = 30  # several micro-batches of the 16 rows below (2-9 completion tokens each)
@@ -25,10 +26,10 @@ def _ppo_steps(learners, cfg, steps: int, micro_tokens: int, ranks: int = 2):
                           max_tokens_per_microbatch=micro_tokens)
     algo = replace(cfg.algo, adv_estimator="gae", critic_lr=3e-3)
     with learners.learner(cfg.model.path, learner_cfg, algo, 32, cfg.trainer.seed) as learner:
-        learner.call("snapshot_reference")
-        before = learner.call("state_copy")[0]
+        learner.snapshot_reference()
+        before = probe(learner, state_copy)[0]
         history = [learner.train_step(groups, 1.0, 1e-3) for _ in range(steps)]
-        after = learner.call("state_copy")[0]
+        after = probe(learner, state_copy)[0]
     return history, before, after
 
 

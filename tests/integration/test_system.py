@@ -14,6 +14,7 @@ from cluster.roles import evaluate
 from data.datasets import PromptSampler, load_problems
 from cluster.batches import generation_requests
 from helpers import seeded
+from learner_pool import probe, state_copy
 from helpers import compiled_graphs
 
 
@@ -34,14 +35,14 @@ def test_warmup_then_grpo_steps_advance_versions_and_change_weights(roles, syste
     accuracy = evaluate(roles, heldout[:8])
     assert (accuracy * 8) == pytest.approx(round(accuracy * 8))  # a share of the 8 problems
 
-    before = roles.learner.call("state_copy")
+    before = probe(roles.learner, state_copy)
     batches, buffer = SyncBatches(roles, PromptSampler(train_set, 0), system_cfg), RolloutBuffer()
     rows = []
     for step in (1, 2):
         row = grpo_step(step, version, roles, batches, buffer, system_cfg).metrics
         version = row["policy_version"]
         rows.append(row)
-    after = roles.learner.call("state_copy")
+    after = probe(roles.learner, state_copy)
 
     assert [r["policy_version"] for r in rows] == [warmed + 1, warmed + 2]
     assert roles.rollout.versions() == [warmed + 2, warmed + 2]
@@ -150,7 +151,7 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
     # before this step's push, so some groups are one version old and must be made again.
     cfg.trainer.mode, cfg.trainer.async_lookahead, cfg.algo.max_staleness = "async", 1, 0
     train_set = load_problems(cfg.data, cfg.trainer.seed).train
-    roles.learner.call("snapshot_reference")  # the KL's reference, whichever tests ran before
+    roles.learner.snapshot_reference()  # the KL's reference, whichever tests ran before
     version = roles.channel.version
     batches = AsyncBatches(roles, PromptSampler(train_set, 3), cfg, 1, 4, cfg.trainer.async_lookahead)
     buffer, rows, versions = RecordingBuffer(), [], []
@@ -219,7 +220,7 @@ def test_a_generation_actor_killed_mid_step_is_restarted_synced_and_nothing_is_l
     cfg = copy.deepcopy(system_cfg)
     cfg.trainer.prompts_per_step = 16
     train_set = load_problems(cfg.data, cfg.trainer.seed).train
-    roles.learner.call("snapshot_reference")  # the KL's reference, whichever tests ran before
+    roles.learner.snapshot_reference()  # the KL's reference, whichever tests ran before
     version = roles.channel.version
     batches, buffer, rows, versions = SyncBatches(roles, PromptSampler(train_set, 9), cfg), RecordingBuffer(), [], []
     victim = roles.rollout.workers[1]

@@ -96,7 +96,7 @@ def test_a_push_that_misses_a_parameter_fails_and_the_workers_keep_their_version
         renamed = copy.deepcopy(whole)
         renamed["tensors"] = [[VICTIM.replace(".weight", ".bias") if n == VICTIM else n, shape]
                               for n, shape in whole["tensors"]]
-        sends = [r.broadcast_weights.remote(whole) for r in learner.ranks]
+        sends = learner.send_weights(whole)
         receives = [w.receive_weights.remote(renamed, 3) for w in pool.workers]
         ray.get(sends, timeout=120)
         for ref in receives:
