@@ -136,7 +136,7 @@ def one_mode(out: Path, args, mode: str) -> dict:
     schedule = [(args.every * (i + 1), kind) for i, kind in enumerate(kinds) if args.every * (i + 1) < args.steps]
     chaos = chaos_run(out, args, mode, schedule)
     sys.path.insert(0, str(ROOT))
-    from cluster.samples import read
+    from cluster.loop.samples import read
 
     return {"mode": mode, "kills": chaos["kills"], "in_run_seconds": back_in(chaos["stdout"]),
             "resume_seconds": [{"kind": r["kind"], "seconds": round(r.get("at", float("nan")), 1)} for r in chaos["resumes"]],

@@ -149,7 +149,7 @@ def processes(command: list) -> None:
 
 
 def phases(overrides: list) -> None:
-    import cluster.batches as batches
+    import cluster.loop.batches as batches
     from cluster.cli import main
 
     logged, samples, per_process = [], [], []

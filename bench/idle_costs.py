@@ -23,8 +23,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 
 def _config(cache: str):
-    from cluster.compose import load_config
-    from cluster.preflight import resolve_model
+    from cluster.cli.compose import load_config
+    from cluster.cli.checks import resolve_model
     from helpers import small_overrides
 
     cfg = load_config(small_overrides(cache, "runs/bench/idle"))
@@ -34,8 +34,8 @@ def _config(cache: str):
 
 def roles(seconds: float, cache: str) -> None:
     import cpu_floor
-    from cluster.preflight import ACTOR_ENV
-    from cluster.roles import start_roles
+    from cluster.loop.launch import ACTOR_ENV
+    from cluster.loop.roles import start_roles
     from common.ray_utils import start_local_ray
 
     cfg = _config(cache)

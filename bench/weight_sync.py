@@ -86,8 +86,8 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float, transport: s
     import ray
 
     from bench.model_sizes import build
-    from cluster.compose import load_config
-    from cluster.sync_channel import WeightSyncChannel
+    from cluster.cli.compose import load_config
+    from cluster.loop.sync_channel import WeightSyncChannel
     from learner.group import LearnerGroup
     from rollout.pool import RolloutPool
 
@@ -236,9 +236,9 @@ def reload_alone(size: str, cache: str, repeats: int, threads: int, linear: str,
 
 
 def generation(cache: str, num_prompts: int, repeats: int, chunks_per_worker: int) -> dict:
-    from cluster.batches import generation_requests
-    from cluster.compose import load_config
-    from cluster.preflight import resolve_model
+    from cluster.loop.batches import generation_requests
+    from cluster.cli.compose import load_config
+    from cluster.cli.checks import resolve_model
     from data.datasets import load_problems
     from rollout.pool import RolloutPool
 
@@ -303,7 +303,7 @@ def main() -> int:
         return report_reloads(args)
     import ray
 
-    from cluster.preflight import ACTOR_ENV
+    from cluster.loop.launch import ACTOR_ENV
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ACTOR_ENV})

@@ -3,7 +3,7 @@
 Each section is a dataclass that the role using it receives as is (no dicts across Ray). A
 setting with a fixed set of values declares them once, with `one_of`; each section checks
 its own values (`check`), and `Config.check` adds the checks that span sections. What needs the
-file system or the verifier registry is checked by the driver (cluster/compose.py).
+file system or the verifier registry is checked by the driver (cluster/cli/compose.py).
 
 Light on purpose: imports no torch, Ray or vLLM, so `grpo train --cfg` and config errors are
 instant and happen before any actor starts.
@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from common.errors import BadInput
 
-class ConfigError(ValueError):
+
+class ConfigError(BadInput):
     """A config that cannot run; its message is one line naming the key to change."""
 
 
@@ -39,7 +41,7 @@ def at_least(key: str, value: float, minimum: float) -> None:
 class Freezable:
     """A config node that `freeze` makes refuse every write: a run's validated config stays what
     the user asked for, and what the run resolves is returned and put in a copy
-    (cluster/preflight.run_config), never written into it. Lists and dicts in it stay mutable."""
+    (cluster/loop/launch.run_config), never written into it. Lists and dicts in it stay mutable."""
     _frozen = False
 
     def __setattr__(self, name: str, value: Any) -> None:

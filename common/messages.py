@@ -26,7 +26,7 @@ class RestartEvent:
 @dataclass(frozen=True)
 class StepRecord:
     """One GRPO step as the loop commits it: the metrics row it logs, the restarts it prints and
-    the identifiers of the samples it trained (cluster/samples.py)."""
+    the identifiers of the samples it trained (cluster/loop/samples.py)."""
     metrics: Dict[str, Any]
     events: Tuple[RestartEvent, ...] = ()
     samples: List[list] = field(default_factory=list)
@@ -39,7 +39,7 @@ class StepRecord:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One prompt for a generation backend to sample a group for; the driver builds it from a
-    data row (cluster/batches.py), the group it yields carries its index, prompt, answer and
+    data row (cluster/loop/batches.py), the group it yields carries its index, prompt, answer and
     fields on to the verifiers and the learner."""
     index: int
     """Position of the prompt in its split (the training or the evaluation set)."""
@@ -117,15 +117,19 @@ class PromptInfo:
 class ResolvedInputs:
     """What the driver resolved from the validated config before any actor starts, returned
     rather than written into that config: the roles get a copy of the config with these filled
-    in (cluster/preflight.run_config)."""
+    in (cluster/loop/launch.run_config)."""
     model_path: str                 # the model folder (built for the built-in model) or hub id
     stop_token_ids: Tuple[int, ...] # rollout.stop_token_ids joined with the prompts' stops, sorted
     prompts: PromptInfo
 
 
+STATE_FILE = "trainer_state.json"
+"""A checkpoint's TrainerState, written last: a folder holding it is complete."""
+
+
 @dataclass(frozen=True)
 class TrainerState:
-    """The driver's part of a checkpoint, trainer_state.json (cluster/checkpoint.py). The file's
+    """The driver's part of a checkpoint, trainer_state.json (cluster/loop/checkpoint.py). The file's
     keys are these fields in this order."""
     step: int
     policy_version: int = 0

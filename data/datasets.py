@@ -17,6 +17,7 @@ import re
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from common.answers import extract_answer
+from common.errors import BadInput
 from common.problem import Problem
 from common.seeds import epoch_seed
 
@@ -47,7 +48,7 @@ class Splits(NamedTuple):
     train: List[Problem]
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     """Bad or missing data; the message is one line naming the file/line/field."""
 
 

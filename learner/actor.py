@@ -67,7 +67,7 @@ class LearnerRank:
                            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0"})
         if not self.on_gpu:
             os.environ["DS_ACCELERATOR"] = "cpu"
-            # Set by the driver for the mode and the node's CPUs (cluster/preflight.plan_threads);
+            # Set by the driver for the mode and the node's CPUs (cluster/loop/launch.plan_threads);
             # 0 (a caller that plans nothing) keeps the old one thread per rank.
             torch.set_num_threads(max(self.cfg.num_threads, 1))
         import deepspeed

@@ -1,6 +1,6 @@
 """A learner rank's part of a checkpoint (its DeepSpeed shard, its RNG; on rank 0 the frozen
 reference, a LoRA policy's base and adapters, the model's config and tokenizer) and the Hugging
-Face export of the policy. The checkpoint's layout is cluster/checkpoint.py's.
+Face export of the policy. The checkpoint's layout is cluster/loop/checkpoint.py's.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class CheckpointState:
 
     def save(self, folder: str) -> None:
         """Every rank writes its DeepSpeed shard and its RNG; rank 0 also the frozen reference
-        and the model's config and tokenizer (see cluster/checkpoint.py for the layout)."""
+        and the model's config and tokenizer (see cluster/loop/checkpoint.py for the layout)."""
         policy, zero_stage = self.policy, self.policy.cfg.zero_stage
         learner_dir = os.path.join(folder, "learner")
         # With LoRA the frozen base is not DeepSpeed's to save: base.pt holds it (below).

@@ -8,12 +8,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import ray
 
 from common.config import AlgoConfig, LearnerConfig
+from common.errors import RunFailed
 from common.ray_utils import actor_index, free_port, node_ip
 from learner.actor import LearnerRank
 from learner.metrics import combine_metrics
 
 
-class LearnerError(RuntimeError):
+class LearnerError(RunFailed):
     """A learner rank died: the update cannot continue (its shard of the state is gone)."""
 
 

@@ -1,7 +1,7 @@
 """The weight-sync channel's sender, on the learner's ranks (the mirror of
 rollout/weight_receiver.py): the push's spec, the sync group that rank 0 joins as its root, and
 the push itself (every rank joins ZeRO-3's gathers, rank 0 packs and sends), through staging
-buffers or a shared-memory file. The handshake and versioning are cluster/sync_channel.py's.
+buffers or a shared-memory file. The handshake and versioning are cluster/loop/sync_channel.py's.
 """
 from __future__ import annotations
 

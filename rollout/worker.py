@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common import heap
 from common.config import RolloutConfig
+from common.errors import RunFailed
 from common.messages import ChunkReport, GenerationRequest
 from common.prompt_group import PromptGroup
 from common.reaper import start_reaper
@@ -24,7 +25,7 @@ from common.seeds import call_seed, sample_seed, turn_seed
 RECEIVER_CLASS = "rollout.weight_receiver.WeightReceiver"
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(RunFailed):
     """A vLLM engine failed to start; the message is one line with the root cause."""
 
 

@@ -62,8 +62,8 @@ def model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def system_cfg(model_cache, tmp_path_factory):
-    from cluster.compose import load_config
-    from cluster.preflight import resolve_model
+    from cluster.cli.compose import load_config
+    from cluster.cli.checks import resolve_model
 
     cfg = load_config(small_overrides(model_cache, str(tmp_path_factory.mktemp("runs"))))
     cfg.model.path = resolve_model(cfg)
@@ -74,7 +74,7 @@ def system_cfg(model_cache, tmp_path_factory):
 def ray_session():
     import ray
 
-    from cluster.preflight import ACTOR_ENV
+    from cluster.loop.launch import ACTOR_ENV
     from common.ray_utils import start_local_ray
 
     # More logical CPUs than cores: the actors mostly take turns, and tests add a few of their own.
@@ -107,7 +107,7 @@ class SessionRoles:
         if self.error is not None:
             raise RuntimeError("the session's roles failed to start (see the first test that asked)") from self.error
         if self.current is None:
-            from cluster.roles import start_roles
+            from cluster.loop.roles import start_roles
 
             roles = None
             try:

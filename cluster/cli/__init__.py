@@ -6,7 +6,10 @@ import os
 import sys
 from typing import List, Optional
 
-from cluster.exits import EXIT_BAD_INPUT, fail, guarded
+from cluster.cli import evaluate, jobs, train
+from cluster.cli.exits import EXIT_BAD_INPUT, fail, guarded
+from cluster.cli.verify import VerifyInputError, verify
+from common.config import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,18 +57,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    """The chosen command (errors become statuses in cluster/exits.py)."""
+    """The chosen command (errors become statuses in cluster/cli/exits.py)."""
     if args.command == "train":
-        from cluster.train import command
-
-        return command(args.overrides, print_config=args.cfg)
+        return train.command(args.overrides, print_config=args.cfg)
     if args.command == "eval":
-        from cluster.eval_job import command
-
-        return command(args.model_dir, args.overrides)
+        return evaluate.command(args.model_dir, args.overrides)
     if args.command == "verify":
-        from cluster.verify import VerifyInputError, verify
-
         try:
             verify(args.verifiers.split(","), args.input, args.output, args.overrides)
         except VerifyInputError as exc:
@@ -77,7 +74,8 @@ def _run(args) -> int:
 
 
 def _export(args) -> int:
-    from cluster.checkpoint import export_checkpoint
+    # The checkpoint's modules (torch's) only for this command.
+    from cluster.loop.checkpoint import export_checkpoint
 
     if os.path.exists(args.folder) and os.listdir(args.folder):
         return fail(f"'{args.folder}' exists and is not empty; pick a new folder")
@@ -91,17 +89,14 @@ def _export(args) -> int:
 def _jobs(args) -> int:
     """submit / jobs: bad config, an unreachable address, a refused token or an unknown job id
     are bad input (exit 2, one line)."""
-    import ray
-
-    from cluster import jobs
-    from common.config import ConfigError
+    import ray  # for its error types: the other commands answer without Ray's import
 
     try:
         if args.command == "submit":
             return jobs.submit(args.address, args.overrides, follow=not args.no_follow, submission_id=args.job_id)
         return jobs.jobs_command(args.action, args.job_id, args.address, follow=args.follow)
     except ConfigError:
-        raise  # already one line naming the key (cluster/exits.py prints it)
+        raise  # already one line naming the key (cluster/cli/exits.py prints it)
     except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
         # The SDK raises these for an unreachable dashboard, a refused token (AuthenticationError)
         # or an unknown job id; its messages run over several lines.

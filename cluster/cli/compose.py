@@ -11,13 +11,23 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from common.config import LORA_RANKS, Config, ConfigError
+from common.messages import STATE_FILE
+from common.plugins import load_function
+from common.sandbox import sandbox_problem
+from data.tiny_model import tiny_model_dir, variant
+from reward.registry import check_settings
+from rollout.worker import sampling_is_seeded
 
-__all__ = ["ConfigError", "compose_config", "load_config", "check_gpu_layout", "schema_keys"]
+__all__ = ["ConfigError", "compose_config", "load_config", "schema_keys"]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SCHEMA_NAME = "grpo_schema"
 # Schema fields that are free-form mappings: any sub-key is valid there.
 MAPPING_KEYS = ("reward.weights.", "reward.custom.", "learner.deepspeed.", "rollout.custom_tools.")
@@ -55,8 +65,6 @@ def _check_keys(overrides: Sequence[str]) -> None:
     Checked before Hydra composes: for a `+key=value` typo Hydra would add the key and the
     schema would then drop it silently, so the run would go on with the default.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     parsed = []
     for index, text in enumerate(overrides):  # one at a time, so that the error can name the key
@@ -106,10 +114,6 @@ def _explain(exc: Exception) -> str:
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """Schema + conf/config.yaml defaults + overrides, as a typed (struct) DictConfig."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-
     _check_keys(overrides)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     GlobalHydra.instance().clear()
@@ -139,8 +143,6 @@ def resolve_auto(cfg: Config) -> Config:
     """`cfg` with the settings whose default depends on the device resolved, as a new config
     (`cfg` is left as it is): the rollout's dtype, CUDA graphs, seeded sampling and the rank
     of the adapters the engines serve."""
-    from rollout.worker import sampling_is_seeded
-
     rollout, lora = cfg.rollout, cfg.learner.lora
     on_gpu = rollout.num_gpus_per_worker > 0
     max_lora_rank = rollout.max_lora_rank
@@ -153,35 +155,11 @@ def resolve_auto(cfg: Config) -> Config:
         max_lora_rank=max_lora_rank))
 
 
-def check_gpu_layout(cfg: Config, cluster_gpus: float, learner_gpus: Optional[float] = None) -> None:
-    """No two roles on one GPU by accident (NCCL refuses two ranks on one GPU, and a second vLLM
-    engine on a GPU fails its free-memory check), and no role left on CPUs by accident.
-
-    `learner_gpus`: the GPUs of the nodes the learner may use (`cluster.nodes.learner`; all of
-    the cluster's when None). A learner left at `num_gpus_per_rank=0` where its nodes have GPUs
-    would train in fp32 over gloo on CPUs without a word; one placed on CPU-only nodes on
-    purpose (a label no GPU node carries) is let be."""
-    tp = cfg.rollout.tensor_parallel_size
-    learner_gpus = cluster_gpus if learner_gpus is None else learner_gpus
-    if cluster_gpus > 0 and os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
-        raise ConfigError("VLLM_BATCH_INVARIANT=1 is not supported on GPUs: it pins NCCL settings inside the "
-                          "engines that the learner's weight-sync sender does not share; unset it")
-    if cluster_gpus > 0 and cfg.rollout.num_gpus_per_worker == 0:
-        raise ConfigError(f"the cluster has {cluster_gpus:g} GPUs but rollout.num_gpus_per_worker=0: every vLLM "
-                          f"engine would see all of them and use GPU 0; set rollout.num_gpus_per_worker={tp}")
-    if learner_gpus > 0 and cfg.learner.num_gpus_per_rank == 0:
-        raise ConfigError(f"the learner's nodes have {learner_gpus:g} GPUs but learner.num_gpus_per_rank=0: it would "
-                          "train on CPUs in fp32 over gloo; set learner.num_gpus_per_rank=1 (or name CPU-only nodes "
-                          "in cluster.nodes.learner)")
-
-
 def validate(cfg: Config) -> None:
     """Settings that type-check but cannot run. Raises ConfigError naming the key: the schema's
     own checks (common/config.py), then what needs this machine: files and the verifiers."""
     cfg.check()
     if cfg.trainer.resume not in (None, "auto"):
-        from cluster.checkpoint import STATE_FILE
-
         if not (Path(cfg.trainer.resume).expanduser() / STATE_FILE).is_file():
             raise ConfigError(f"trainer.resume: '{cfg.trainer.resume}' is not a complete checkpoint "
                               f"(no {STATE_FILE}); use auto or a checkpoints/step-N folder")
@@ -197,8 +175,6 @@ def _check_model(cfg: Config) -> None:
     hub id would run as `tiny` (no chat template by name, the tiny model's learning rate)."""
     if cfg.model.name != "tiny" or not cfg.model.path:
         return
-    from data.tiny_model import tiny_model_dir, variant
-
     built = tiny_model_dir(cfg.model, cfg.trainer.seed, **variant(cfg.rollout))
     if Path(os.path.expanduser(cfg.model.path)).absolute() != built.absolute():
         raise ConfigError(f"model.path='{cfg.model.path}' with model.name=tiny (the built-in model, built in "
@@ -208,9 +184,6 @@ def _check_model(cfg: Config) -> None:
 
 def _check_tools(cfg: Config) -> None:
     """Custom tools that do not import, a python tool without a working sandbox."""
-    from common.plugins import load_function
-    from common.sandbox import sandbox_problem
-
     for name, path in cfg.rollout.custom_tools.items():
         try:
             load_function(path, [os.getcwd()])
@@ -230,9 +203,6 @@ def _check_tools(cfg: Config) -> None:
 def _check_verifiers(cfg: Config) -> None:
     """Unknown verifiers, missing weights, custom ones that do not import, a sandbox that cannot
     work here: all found before any actor starts."""
-    from common.sandbox import sandbox_problem
-    from reward.registry import check_settings
-
     try:
         check_settings(cfg.reward, [os.getcwd()])
     except ValueError as exc:

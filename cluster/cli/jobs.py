@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+from cluster.cli.compose import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
 EXCLUDES = [".venv", ".git", "runs", "wandb", "outputs", ".whl", ".pytest_cache", "__pycache__", "*.pyc",
             "*.egg-info", "docs"]
 """Never uploaded with the working directory: environments, run outputs, caches."""
@@ -31,7 +33,7 @@ def default_address() -> str:
 
 
 def client(address: Optional[str]):
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # Ray's import only for a command that needs it
 
     return JobSubmissionClient(address or default_address())
 
@@ -56,8 +58,6 @@ def submit(address: Optional[str], overrides: List[str], follow: bool = True,
            submission_id: Optional[str] = None) -> int:
     """Submit the training job; print its id; follow its logs to the end (exit 0 if it
     succeeded, 1 if not). The config is checked before anything is sent."""
-    from cluster.compose import load_config
-
     cfg = load_config(overrides)  # raises ConfigError (exit 2) before anything reaches the cluster
     jobs = client(address)
     env = runtime_env(stop_grace_s=cfg.trainer.stop_grace_s)

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any, Dict, List, Sequence
 
-from cluster.compose import ConfigError
+from cluster.cli.compose import ConfigError, load_config
 from common.messages import ScoringRequest
 
 _RESULT_KEYS = ("scores", "reward", "timed_out")
@@ -96,7 +96,7 @@ def _request(row: Dict[str, Any]) -> ScoringRequest:
 
 
 def _summary_table(stats: Dict[str, float], names: Sequence[str], seconds: float) -> str:
-    from reward.pool import summarize
+    from reward.pool import summarize  # the pool's module imports Ray: only once the rows are good
 
     n = int(stats["completions"])
     means = summarize(stats, names)
@@ -113,7 +113,6 @@ def _summary_table(stats: Dict[str, float], names: Sequence[str], seconds: float
 def verify(verifiers: Sequence[str], input_path: str, output_path: str,
            overrides: Sequence[str] = ()) -> Dict[str, float]:
     """Score `input_path` into `output_path`; prints the per-verifier summary, returns the stats."""
-    from cluster.compose import load_config
 
     names = list(dict.fromkeys(v.strip() for v in verifiers if v.strip()))
     if not names:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from cluster.preflight import say
+import ray
+
+from cluster.loop.launch import say
 from common import seeds
 from common.dispatch import Dispatched
 from common.messages import GenerationRequest, RestartEvent
@@ -31,7 +33,6 @@ from common.messages import GenerationRequest, RestartEvent
 
 class Timer:
     """Seconds spent in each named phase (summed when a phase runs more than once)."""
-
     def __init__(self) -> None:
         self.times: Dict[str, float] = {}
 
@@ -45,7 +46,6 @@ class Timer:
 @dataclass
 class Batch:
     """One step's scored prompt groups, by reference, and what it took to make them."""
-
     refs: List[Any]
     """ObjectRefs of the scored groups, in sampling order."""
     items: List[GenerationRequest]
@@ -211,7 +211,6 @@ def drop_stale(batch: Batch, version: int, max_staleness: int, step: int, roles,
 
 class SyncBatches:
     """On-policy: each batch is generated when its step starts, with the learner's weights."""
-
     def __init__(self, roles, sampler, cfg):
         self.roles, self.sampler, self.cfg = roles, sampler, cfg
 
@@ -234,7 +233,6 @@ class SyncBatches:
 class AsyncBatches:
     """Off-policy by a bounded amount: batches for the next `lookahead` steps are generated and
     scored in a background thread while the learner trains (Ray calls are thread-safe)."""
-
     def __init__(self, roles, sampler, cfg, first_step: int, last_step: int, lookahead: int,
                  ready: Optional[List[tuple]] = None):
         """`ready`: (step, Batch) pairs made ahead before a checkpoint, trained first (a
@@ -300,8 +298,6 @@ AHEAD_FILE = "ahead_batches.pkl"
 def freeze(made: List[tuple]) -> bytes:
     """Batches made ahead, with their groups' payloads (fetched from the object store: the
     checkpoint must hold them, not references that die with this Ray), as bytes."""
-    import ray
-
     frozen = [(step, dataclasses.replace(batch, refs=ray.get(list(batch.refs)), restarts=[]))
               for step, batch in made]
     return pickle.dumps(frozen)
@@ -309,8 +305,6 @@ def freeze(made: List[tuple]) -> bytes:
 
 def thaw(data: bytes) -> List[tuple]:
     """What `freeze` wrote, the groups put back in the object store."""
-    import ray
-
     return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs],
                                        items=[_as_request(item) for item in batch.items]))
             for step, batch in _Unpickler(io.BytesIO(data)).load()]

@@ -9,7 +9,7 @@ Layout of one checkpoint, `<run>/checkpoints/step-000040/`:
 | `base.pt`, `adapter/` | learner rank 0 | with LoRA: the frozen base (also the reference) and the adapter folder; `learner/` then holds only the adapters and their optimizer |
 | `model/` | learner rank 0 | the model's config and tokenizer (what `grpo export` needs besides weights) |
 | `trainer_state.json` | the driver | step, policy version, prompt sampler position, driver RNGs |
-| `ahead_batches.pkl` | the driver, async mode | the scored batches made ahead of the learner (cluster/batches.py) |
+| `ahead_batches.pkl` | the driver, async mode | the scored batches made ahead of the learner (cluster/loop/batches.py) |
 | `manifest.json` | the driver, last | every other file's path and size |
 
 Everything is written under `checkpoints/.tmp-step-000040/`, synced, given its manifest and
@@ -33,15 +33,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from common.messages import TrainerState
+import numpy as np
+import torch
+
+from common.errors import RunFailed
+from common.messages import STATE_FILE, TrainerState
 
 FOLDER = "checkpoints"
-STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^(\.old-|\.tmp-)?step-(\d{6,})$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(RunFailed):
     """A checkpoint that could not be written; the message says which one is the last complete."""
 
 
@@ -125,9 +128,6 @@ def _step(path: Path) -> int:
 
 def driver_rng_state() -> Dict[str, Any]:
     """Python, NumPy and torch RNG states of this process, as JSON."""
-    import numpy as np
-    import torch
-
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state()
     return {
@@ -138,9 +138,6 @@ def driver_rng_state() -> Dict[str, Any]:
 
 
 def restore_driver_rng(state: Dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, *rest = state["numpy"]
@@ -235,10 +232,10 @@ def export_checkpoint(checkpoint: str, folder: str, merged: bool = False) -> str
         raise ValueError(f"'{checkpoint}' is not a complete checkpoint (no {STATE_FILE} or learner/)")
     if (ckpt / "adapter").is_dir():
         return _export_lora(ckpt, folder, merged)
-    import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # Export alone needs transformers (and peft, DeepSpeed's converter): not the training driver.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     state = _fp32_state_dict(ckpt / "learner")
@@ -261,7 +258,6 @@ def _export_lora(ckpt: Path, folder: str, merged: bool) -> str:
     if not merged:
         shutil.copytree(ckpt / "adapter", folder, dirs_exist_ok=True)
         return folder
-    import torch
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -276,8 +272,6 @@ def _export_lora(ckpt: Path, folder: str, merged: bool) -> str:
 def _fp32_state_dict(learner_dir: Path) -> Dict[str, Any]:
     """Full fp32 weights from a DeepSpeed checkpoint: ZeRO 1-3 shards are merged by DeepSpeed's
     own zero_to_fp32; without ZeRO (stage 0) the model file already holds them."""
-    import torch
-
     tag_dir = learner_dir / "ds"
     if list(tag_dir.glob("*optim_states.pt")) and list(tag_dir.glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

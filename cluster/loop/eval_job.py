@@ -14,8 +14,20 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from common.config import Config, freeze
+import ray
 
+from cluster.loop.batches import generation_requests
+from cluster.loop.evaluation import default_ks, format_table, mean_metrics, prompt_metrics
+from cluster.loop.launch import ACTOR_ENV, check_resources, make_run_dir, run_config, run_name, say, show_prompt
+from cluster.loop.placement import Placement
+from common.config import Config
+from common.messages import ResolvedInputs
+from common.ray_utils import init_ray
+from reward.pool import VerifierPool
+from reward.verifiers import extract_answer
+from rollout.pool import RolloutPool
+
+EVAL_ROLES = ("rollout", "reward")  # no learner
 EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
 
 
@@ -25,9 +37,6 @@ def score_key(verifiers: Sequence[str]) -> str:
 
 
 def _scored_groups(rollout, verifiers, problems, n: int, greedy: bool, temperature=None) -> list:
-    import ray
-
-    from cluster.batches import generation_requests
 
     requests = generation_requests(list(enumerate(problems)), EVAL_SEED)
     generated = rollout.generate(requests, n, greedy=greedy, temperature=temperature)
@@ -37,9 +46,6 @@ def _scored_groups(rollout, verifiers, problems, n: int, greedy: bool, temperatu
 
 def evaluate_full(rollout, verifiers, problems, cfg: Config) -> Tuple[Dict[str, float], List[dict]]:
     """Metrics over `problems` (keys `eval/...`) and one record per prompt."""
-    from cluster.evaluation import default_ks, mean_metrics, prompt_metrics
-    from reward.verifiers import extract_answer
-
     key = score_key(cfg.reward.verifiers)
     greedy = _scored_groups(rollout, verifiers, problems, 1, greedy=True)
     records = [{"index": g.index, "prompt": g.prompt, "answer": g.answer, "greedy": g.completions[0],
@@ -73,25 +79,10 @@ def write_records(run_dir: Path, records: List[dict]) -> Path:
     return path
 
 
-def evaluate_model(cfg: Config) -> Dict[str, float]:
-    """The `grpo eval` job: start the rollout and verifier pools, evaluate, write, print."""
-    import ray
-
-    from cluster.evaluation import format_table
-    from cluster.placement import Placement
-    from cluster.preflight import (ACTOR_ENV, check_local_resources, check_resources, make_run_dir, prepare_prompts,
-                                   resolve_model, run_config, run_name, say, show_prompt)
-    from common.ray_utils import init_ray
-    from reward.pool import VerifierPool
-    from data.datasets import load_eval_problems
-    from rollout.pool import RolloutPool
-
-    started = time.time()
-    freeze(cfg)  # what the job resolves goes into a copy (preflight.run_config)
-    roles = ("rollout", "reward")  # no learner
-    problems = load_eval_problems(cfg.data, cfg.trainer.seed)
-    check_local_resources(cfg, roles)
-    problems, _, inputs = prepare_prompts(cfg, resolve_model(cfg), problems, [])
+def evaluate_model(cfg: Config, inputs: ResolvedInputs, problems, started: float) -> Dict[str, float]:
+    """The `grpo eval` job, its inputs checked (cluster/cli/evaluate.py): start the rollout and
+    verifier pools, evaluate, write, print."""
+    roles = EVAL_ROLES
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
     check_resources(cfg, roles)
     cfg = run_config(cfg, inputs, run_name(cfg))  # the validated config is left as it is
@@ -119,16 +110,3 @@ def evaluate_model(cfg: Config) -> Dict[str, float]:
     print(f"\n{format_table(metrics)}\nrun files: {run_dir}/ (eval.jsonl, eval_summary.json, prompt_example.txt)",
           flush=True)
     return summary
-
-
-def command(model_dir: str, overrides: Sequence[str]) -> int:
-    """`grpo eval MODEL_DIR [overrides]`."""
-    import os
-
-    from cluster.compose import load_config
-    from cluster.exits import fail
-
-    if not os.path.isdir(model_dir):
-        return fail(f"eval: no such model folder '{model_dir}'")
-    evaluate_model(load_config(["model=hf", f"model.path={os.path.abspath(model_dir)}", *overrides]))
-    return 0

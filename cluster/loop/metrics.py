@@ -7,6 +7,8 @@ import uuid
 from pathlib import Path
 from typing import Dict, Optional
 
+from tqdm import tqdm
+
 # Shown in the progress bar, in this order.
 BAR_KEYS = {"reward_mean": "reward", "accuracy": "acc", "kl": "kl"}
 
@@ -19,7 +21,7 @@ class MetricsLogger:
         self._keep(resume_step)
         self.wandb_run = None
         if logger_cfg.backend == "wandb":
-            import wandb
+            import wandb  # only with logger=wandb: its import costs seconds
 
             os.environ.setdefault("WANDB_MODE", logger_cfg.mode)
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -31,8 +33,6 @@ class MetricsLogger:
                                         dir=str(run_dir), id=id_file.read_text().strip(), resume="allow")
         self.bar = None
         if progress:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def _keep(self, step: int) -> None:

@@ -1,5 +1,5 @@
 """The phases of a training run, each one named call on the roles: the warm-up, a GRPO step, a
-resume from a checkpoint. cluster/train.py calls them in order.
+resume from a checkpoint. cluster/loop/training.py calls them in order.
 """
 from __future__ import annotations
 
@@ -7,11 +7,18 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from cluster.preflight import say
-from cluster.roles import Roles, evaluate
+import ray
+
+from cluster.loop.batches import AHEAD_FILE, AsyncBatches, SyncBatches, Timer, drop_stale, thaw
+from cluster.loop.checkpoint import latest_checkpoint, load_trainer_state, restore_driver_rng, skipped_line
+from cluster.loop.launch import say
+from cluster.loop.roles import Roles, evaluate
+from cluster.loop.samples import sample_ids
 from common.config import Config
 from common.messages import RestartEvent, StepRecord, TrainerState
 from common.seeds import warmup_seed
+from learner.lr_schedule import lr_at
+from reward.pool import summarize
 
 
 def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] = None) -> int:
@@ -22,8 +29,6 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
     accuracy on a probe of training problems; the warm-up ends once it reaches
     `target_accuracy`, leaving GRPO an ability to sharpen rather than one to create.
     """
-    import ray
-
     w = cfg.warmup
     examples = [(p.warmup_prompt or p.prompt, p.solution) for p in train_set if p.solution]
     version = 0
@@ -49,11 +54,6 @@ def warm_up(roles: Roles, cfg: Config, train_set, end_ids: Optional[List[int]] =
 def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Config) -> StepRecord:
     """One GRPO iteration: take a scored batch (made now, or ahead in async mode), drop what is
     too stale, train, push the new weights."""
-    from cluster.batches import Timer, drop_stale
-    from cluster.samples import sample_ids
-    from learner.lr_schedule import lr_at
-    from reward.pool import summarize
-
     started, timer = time.perf_counter(), Timer()
     lr = lr_at(step, cfg.trainer.max_steps, cfg.learner.lr, cfg.learner.lr_schedule, cfg.learner.min_lr_ratio)
     with timer("time_wait_rollout"):
@@ -96,8 +96,6 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
 
 def make_batches(cfg: Config, roles: Roles, sampler, first_step: int, ready: Optional[List[tuple]] = None):
     """The batch source; `ready`: batches a checkpoint saved as made ahead (async mode)."""
-    from cluster.batches import AsyncBatches, SyncBatches
-
     if cfg.trainer.mode == "async":
         return AsyncBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead,
                             ready)
@@ -106,8 +104,6 @@ def make_batches(cfg: Config, roles: Roles, sampler, first_step: int, ready: Opt
 
 def find_resume_point(cfg: Config) -> Optional[Path]:
     """The checkpoint `trainer.resume` names (None: start fresh)."""
-    from cluster.checkpoint import latest_checkpoint, skipped_line
-
     if cfg.trainer.resume is None:
         return None
     if cfg.trainer.resume != "auto":
@@ -126,9 +122,6 @@ def resume(roles: Roles, checkpoint: Path, sampler) -> Tuple[TrainerState, list]
     """Learner state, prompt position and RNGs from `checkpoint`; the generation workers get
     the restored weights (and its policy version) before they generate anything. Returns the
     checkpoint's trainer state and, in async mode, the batches made ahead of the learner."""
-    from cluster.batches import AHEAD_FILE, thaw
-    from cluster.checkpoint import load_trainer_state, restore_driver_rng
-
     state = load_trainer_state(checkpoint)
     roles.learner.load_checkpoint(str(checkpoint))
     roles.channel.refresh_spec()  # a LoRA checkpoint's policy pushes its base, then adapters
@@ -140,8 +133,6 @@ def resume(roles: Roles, checkpoint: Path, sampler) -> Tuple[TrainerState, list]
 
 
 def resume_hint(cfg: Config, run_dir: Path) -> str:
-    from cluster.checkpoint import latest_checkpoint
-
     last = latest_checkpoint(run_dir)
     if last is None:
         return "No checkpoint was written (set trainer.save_every to have one next time)."

@@ -5,7 +5,7 @@ cannot be: the ranks hold shards of one optimizer state and meet in every collec
 lost rank leaves the others unable to go on. The driver then tears the whole learner group
 down (its placement group too), starts a new one, points the weight-sync channel at its rank
 0, loads the newest complete checkpoint into it and pushes those weights to every engine (the
-resume path of `cluster/phases.py`), cuts `metrics.jsonl` and `samples.jsonl` back to the
+resume path of `cluster/loop/phases.py`), cuts `metrics.jsonl` and `samples.jsonl` back to the
 checkpoint's step and continues from there: the steps after the checkpoint are trained again,
 on the same samples, so the final model is the straight run's.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from cluster.buffer import RolloutBuffer
-from cluster.checkpoint import latest_checkpoint
-from cluster.phases import make_batches, resume, resume_hint
+from cluster.loop.buffer import RolloutBuffer
+from cluster.loop.checkpoint import latest_checkpoint
+from cluster.loop.phases import make_batches, resume, resume_hint
 from common.messages import RestartEvent
 from common.ray_utils import death_cause
 

@@ -53,7 +53,7 @@ def panel_series(rows: list, heldout_before: float | None = None,
 
 
 def write_report(run_dir: Path, heldout_before: float | None = None, heldout_after: float | None = None) -> Path:
-    import matplotlib
+    import matplotlib  # the headless backend must be chosen before pyplot's import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

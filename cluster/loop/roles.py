@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from cluster.loop.batches import generation_requests
+from cluster.loop.placement import Placement
+from cluster.loop.sync_channel import WeightSyncChannel
 from common.config import Config
-
-if TYPE_CHECKING:  # the roles' modules import Ray, vLLM and DeepSpeed: not for a type alone
-    from cluster.placement import Placement
-    from cluster.sync_channel import WeightSyncChannel
-    from learner.group import LearnerGroup
-    from reward.pool import VerifierPool
-    from rollout.pool import RolloutPool
+from learner.group import LearnerGroup
+from reward.pool import VerifierPool
+from rollout.pool import RolloutPool
 
 
 @dataclass
@@ -51,8 +50,6 @@ class Roles:
 
 
 def start_learner(cfg: Config, placement):
-    from learner.group import LearnerGroup
-
     return LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.completion_budget, cfg.trainer.seed,
                         placement=lambda i: placement.options("learner", i))
 
@@ -60,11 +57,6 @@ def start_learner(cfg: Config, placement):
 def start_roles(cfg: Config) -> Roles:
     """Each role in its own placement group, on the nodes `cluster.nodes` names; each actor gets
     its config section as the typed dataclass."""
-    from cluster.placement import Placement
-    from cluster.sync_channel import WeightSyncChannel
-    from reward.pool import VerifierPool
-    from rollout.pool import RolloutPool
-
     placement = Placement(cfg, cfg.cluster.placement_timeout_s)
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
     learner = start_learner(cfg, placement)
@@ -79,8 +71,6 @@ def start_roles(cfg: Config) -> Roles:
 
 def evaluate(roles: Roles, problems) -> float:
     """Greedy accuracy on `problems` through the vLLM actors and the verifier pool."""
-    from cluster.batches import generation_requests
-
     generated = roles.rollout.generate(generation_requests(list(enumerate(problems)), 0), 1, greedy=True)
     _, stats = roles.verifiers.score(generated.refs)
     key = "score_sum/math" if "score_sum/math" in stats else next(k for k in stats if k.startswith("score_sum/"))

@@ -4,37 +4,48 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
-from cluster.buffer import RolloutBuffer
-from cluster.preflight import (ACTOR_ENV, check_resources, make_run_dir, node_cpus, plan_threads, run_config, run_name,
-                               say, show_prompt)
-from cluster.roles import Roles, start_roles
-from cluster.samples import SampleLog
+import ray
+
+from cluster.loop.batches import AsyncBatches, Batch, SyncBatches
+from cluster.loop.buffer import RolloutBuffer
+from cluster.loop.launch import (
+    ACTOR_ENV,
+    check_resources,
+    make_run_dir,
+    node_cpus,
+    plan_threads,
+    run_config,
+    run_name,
+    say,
+    show_prompt,
+)
+from cluster.loop.metrics import MetricsLogger
+from cluster.loop.roles import Roles, start_roles
+from cluster.loop.samples import SampleLog
+from cluster.loop.signals import watch_sigterm
 from common.config import Config
 from common.messages import ResolvedInputs
-
-if TYPE_CHECKING:
-    from cluster.batches import AsyncBatches, Batch, SyncBatches
-    from cluster.metrics import MetricsLogger
-    from data.datasets import PromptSampler
+from common.ray_utils import init_ray
+from data.datasets import PromptSampler
 
 
 @dataclass
 class Run:
     cfg: Config
     """The run's config: the validated one until `start`, then a copy of it with what the run
-    resolved filled in (preflight.run_config), which the roles get and config.yaml records. The
+    resolved filled in (launch.run_config), which the roles get and config.yaml records. The
     validated config itself is never written."""
     inputs: ResolvedInputs
-    """The model folder, the stops and the rendered prompts' info (preflight.prepare_prompts)."""
+    """The model folder, the stops and the rendered prompts' info (cluster/cli/checks.prepare_prompts)."""
     started: float = field(default_factory=time.time)
     run_dir: Optional[Path] = None
     roles: Optional[Roles] = None
     batches: Optional[Union[SyncBatches, AsyncBatches]] = None
-    """The batch source (cluster/batches.py); in async mode it owns a thread."""
+    """The batch source (cluster/loop/batches.py); in async mode it owns a thread."""
     buffer: RolloutBuffer = field(default_factory=RolloutBuffer)
     logger: Optional[MetricsLogger] = None
     """The MetricsLogger (metrics.jsonl, wandb, the progress bar)."""
@@ -49,18 +60,14 @@ class Run:
     ahead: List[Tuple[int, Batch]] = field(default_factory=list)
     """Async mode, resumed: the (step, Batch) pairs the checkpoint saved as made ahead."""
     learner_restarts: int = 0
-    """Times the learner group was rebuilt after losing a rank (cluster/recovery.py)."""
+    """Times the learner group was rebuilt after losing a rank (cluster/loop/recovery.py)."""
     checkpoint_seconds: List[float] = field(default_factory=list)
     """Seconds of each checkpoint written (the summary reports their count and sum)."""
-
     def say(self, message: str) -> None:
         say(message, self.started)
 
     def start(self) -> None:
         """Ray, the run's config, its folder, the actors of every role."""
-        from cluster.exits import watch_sigterm
-        from common.ray_utils import init_ray
-
         cfg = self.cfg
         dashboard = init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
         watch_sigterm()  # ray.init put its own SIGTERM handler (a plain exit) in place of ours
@@ -78,9 +85,6 @@ class Run:
                  f"{cfg.learner.num_ranks} DeepSpeed ZeRO-{cfg.learner.zero_stage} learner ranks")
 
     def open_logger(self, first_step: int) -> None:
-        from dataclasses import asdict
-
-        from cluster.metrics import MetricsLogger
 
         cfg = self.cfg
         self.logger = MetricsLogger(self.run_dir, asdict(cfg), cfg.trainer.max_steps, cfg.logger,
@@ -107,8 +111,6 @@ class Run:
         was started, whichever way the run ends. Safe to call twice. A part that fails to stop
         is reported in one line and the others still stop (raising here would hide the error
         that ended the run)."""
-        import ray
-
         for stop in (self.stop_batches, self.close_logger, self.stop_roles, ray.shutdown):
             try:
                 stop()

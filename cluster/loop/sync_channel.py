@@ -15,14 +15,14 @@ import ray
 
 from common import weight_sync
 from common.dispatch import call_when_up
+from common.errors import RunFailed
 from common.messages import RestartEvent
 from common.ray_utils import death_cause
-
 
 DEATH_WAIT_S = 10.0
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(RunFailed):
     pass
 
 

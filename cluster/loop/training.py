@@ -1,46 +1,37 @@
-"""The GRPO driver: `grpo train [overrides...]` or `python -m cluster.train [overrides...]`.
-
-`train` reads as the table of contents of a run; each phase is one named call on the roles
-(cluster/phases.py), and everything the run holds lives in one `Run` (cluster/run.py) that is
-closed however the run ends. The driver only ever holds ObjectRefs to prompt groups, never
-their payloads.
+"""The GRPO run: `run_job` reads as its table of contents; each phase is one named call on the
+roles (cluster/loop/phases.py), and everything the run holds lives in one `Run`
+(cluster/loop/run.py) that is closed however the run ends. The driver only ever holds ObjectRefs
+to prompt groups, never their payloads. Its inputs were checked before (cluster/cli/train.py).
 """
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, Optional
 
-from cluster.preflight import check_inputs, check_local_resources, prepare_prompts, resolve_model
-from common import heap
-from common.config import Config, freeze
-from common.messages import StepRecord, TrainerState
+from cluster.loop.batches import AHEAD_FILE
+from cluster.loop.batches import freeze as freeze_batches
+from cluster.loop.checkpoint import save_checkpoint
+from cluster.loop.eval_job import evaluate_full, write_records
+from cluster.loop.evaluation import format_table
+from cluster.loop.phases import algorithm, find_resume_point, grpo_step, make_batches, resume, resume_hint, warm_up
+from cluster.loop.recovery import recover_learner
+from cluster.loop.report import write_report
+from cluster.loop.roles import evaluate
+from cluster.loop.run import Run
+from cluster.loop.signals import Preempted, steps_running, stop_requested
+from cluster.loop.sync_channel import WeightSyncError
+from common.config import Config
+from common.messages import ResolvedInputs, StepRecord, TrainerState
+from data.datasets import PromptSampler
+from learner.group import LearnerError
 
-if TYPE_CHECKING:  # imported once the inputs are checked (train): bad input answers before Ray is imported
-    from cluster.run import Run
 
-
-def train(cfg: Config) -> Dict[str, object]:
-    """The whole job: warm-up, GRPO steps, held-out accuracy before and after. Returns the summary."""
-    from data.datasets import load_problems
-
-    started = time.time()
-    freeze(cfg)  # what the run resolves goes into a copy (preflight.run_config); a write here is a bug
-    # The imports (torch, transformers) trigger full collections that walk the whole heap again
-    # and again (common/heap.py).
-    with heap.without_full_collections():
-        heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)  # bad data fails before Ray
-        check_inputs(cfg, train_set)
-        model_path = resolve_model(cfg)  # a missing model folder answers before Ray's import
-        check_local_resources(cfg)
-        heldout, train_set, inputs = prepare_prompts(cfg, model_path, heldout, train_set)  # bad templates: before Ray
-        # Ray's import only now: bad input of any kind answers without it.
-        from cluster.phases import find_resume_point
-        from cluster.run import Run
-
-        resume_from = find_resume_point(cfg)
+def run_job(cfg: Config, inputs: ResolvedInputs, train_set, heldout, started: float) -> Dict[str, object]:
+    """The whole run of a checked job: warm-up (or the checkpoint resumed from), GRPO steps,
+    held-out accuracy before and after. Returns the summary."""
+    resume_from = find_resume_point(cfg)
     run = Run(cfg, inputs, started=started)
     try:
         run.start()
@@ -57,10 +48,6 @@ def train(cfg: Config) -> Dict[str, object]:
 def begin(run: Run, train_set, heldout, resume_from: Optional[Path]) -> int:
     """The warm-up and the accuracy GRPO starts from, or the state of the checkpoint resumed
     from; returns the first GRPO step."""
-    from cluster.phases import resume, warm_up
-    from cluster.roles import evaluate
-    from data.datasets import PromptSampler
-
     cfg = run.cfg
     run.sampler = PromptSampler(train_set, cfg.trainer.seed)
     if resume_from is None:
@@ -79,12 +66,6 @@ def begin(run: Run, train_set, heldout, resume_from: Optional[Path]) -> int:
 
 def run_steps(run: Run, first_step: int, heldout) -> None:
     """The GRPO steps: each one logged, evaluated and checkpointed as configured."""
-    from cluster.exits import steps_running
-    from cluster.phases import grpo_step, make_batches
-    from cluster.recovery import recover_learner
-    from cluster.sync_channel import WeightSyncError
-    from learner.group import LearnerError
-
     cfg = run.cfg
     run.batches = make_batches(cfg, run.roles, run.sampler, first_step, run.ahead)
     run.ahead = []
@@ -107,9 +88,6 @@ def run_steps(run: Run, first_step: int, heldout) -> None:
 
 def end_step(run: Run, step: int, record: StepRecord, heldout) -> None:
     """Log the step, evaluate and checkpoint on schedule; on SIGTERM, checkpoint it and stop."""
-    from cluster.exits import Preempted, stop_requested
-    from cluster.phases import resume_hint
-
     cfg = run.cfg
     run.version = record.policy_version
     for event in record.events:
@@ -130,9 +108,6 @@ def end_step(run: Run, step: int, record: StepRecord, heldout) -> None:
 
 
 def periodic_eval(run: Run, heldout) -> Dict[str, float]:
-    from cluster.eval_job import evaluate_full
-    from cluster.roles import evaluate
-
     started = time.perf_counter()
     row = {"heldout_accuracy": evaluate(run.roles, heldout)}
     if run.cfg.eval.n:
@@ -144,27 +119,18 @@ def periodic_eval(run: Run, heldout) -> Dict[str, float]:
 def checkpoint(run: Run, step: int) -> None:
     """Checkpoint `step`; in async mode with the batches made ahead of the learner (made by
     older weights than the checkpoint's, so a resume trains on them instead of making them)."""
-    from cluster.batches import AHEAD_FILE, freeze
-    from cluster.checkpoint import save_checkpoint
-
     cfg = run.cfg
     started = time.perf_counter()
     ahead, sampler = run.batches.ahead_state() if run.batches is not None else ([], run.sampler.state_dict())
     state = TrainerState(step=step, policy_version=run.version, sampler=sampler, accuracy_before=run.accuracy_before,
                          seed=cfg.trainer.seed)
     save_checkpoint(run.run_dir, step, run.roles.learner, state, cfg.trainer.keep_checkpoints,
-                    extra={AHEAD_FILE: freeze(ahead)} if ahead else None)
+                    extra={AHEAD_FILE: freeze_batches(ahead)} if ahead else None)
     run.checkpoint_seconds.append(time.perf_counter() - started)
 
 
 def finish(run: Run, heldout) -> Dict[str, object]:
     """Held-out accuracy after GRPO, the final evaluation, the model, summary.json, report.png."""
-    from cluster.eval_job import evaluate_full, write_records
-    from cluster.evaluation import format_table
-    from cluster.phases import algorithm
-    from cluster.report import write_report
-    from cluster.roles import evaluate
-
     cfg, roles, accuracy_before = run.cfg, run.roles, run.accuracy_before
     accuracy_after = evaluate(roles, heldout)
     run.say(f"held-out greedy accuracy after {algorithm(cfg)}: {accuracy_after:.1%}")
@@ -202,29 +168,3 @@ def print_summary(run_dir: Path, summary: Dict[str, object]) -> None:
         + (f"\nwandb run: {summary['wandb_dir']}" if summary.get("wandb_dir") else ""),
         flush=True,
     )
-
-
-def command(overrides: List[str], print_config: bool = False) -> int:
-    """`grpo train`: compose and check the config, then print it (--cfg) or run the job."""
-    from cluster.compose import compose_config, load_config
-
-    cfg = load_config(overrides)  # an impossible setting fails here, before printing or any actor
-    if print_config:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(compose_config(overrides)), end="")
-        return 0
-    train(cfg)
-    return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """`python -m cluster.train [--cfg] [overrides...]`: the same as `grpo train`."""
-    from cluster.exits import guarded
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    return guarded(lambda: command([a for a in args if a != "--cfg"], print_config="--cfg" in args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

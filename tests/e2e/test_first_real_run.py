@@ -88,7 +88,7 @@ def test_training_reports_pass_and_maj_at_k(recipe):
 
 
 def test_eval_records_verifier_scores_and_stops(recipe):
-    from cluster.evaluation import pass_at_k
+    from cluster.loop.evaluation import pass_at_k
     from data.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -30,8 +30,8 @@ import psutil
 import pytest
 import torch
 
-from cluster.checkpoint import complete_checkpoints
-from cluster.samples import read as read_samples
+from cluster.loop.checkpoint import complete_checkpoints
+from cluster.loop.samples import read as read_samples
 from helpers import small_overrides
 from helpers import GRPO, run
 

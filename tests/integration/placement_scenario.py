@@ -21,13 +21,14 @@ def main(model_cache: str, out: str) -> None:
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from cluster.batches import SyncBatches
-    from cluster.buffer import RolloutBuffer
-    from cluster.compose import load_config
-    from cluster.placement import check
-    from cluster.phases import grpo_step, warm_up
-    from cluster.preflight import ACTOR_ENV, check_resources, resolve_model
-    from cluster.roles import start_roles
+    from cluster.loop.batches import SyncBatches
+    from cluster.loop.buffer import RolloutBuffer
+    from cluster.cli.compose import load_config
+    from cluster.layout import check
+    from cluster.loop.phases import grpo_step, warm_up
+    from cluster.loop.launch import ACTOR_ENV, check_resources
+    from cluster.cli.checks import resolve_model
+    from cluster.loop.roles import start_roles
     from data.datasets import PromptSampler, load_problems
     from tests.helpers import small_overrides
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import ray
 import torch
 
-from cluster.sync_channel import WeightSyncChannel
+from cluster.loop.sync_channel import WeightSyncChannel
 from common.config import LoraConfig
 from learner_pool import probe, state_copy, trained_numel
 from helpers import engine_state, varied_groups, warmed_learner

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.compose import load_config
-from cluster.placement import bundles, check
+from cluster.cli.compose import load_config
+from cluster.layout import bundles, check
 
 SCENARIO = str(Path(__file__).with_name("placement_scenario.py"))
 

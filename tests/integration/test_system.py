@@ -5,14 +5,14 @@ import pytest
 import ray
 import torch
 
-from cluster.batches import SyncBatches
-from cluster.buffer import RolloutBuffer
+from cluster.loop.batches import SyncBatches
+from cluster.loop.buffer import RolloutBuffer
 from common.prompt_group import PromptGroup
-from cluster.phases import grpo_step, warm_up
+from cluster.loop.phases import grpo_step, warm_up
 from common.config import WarmupConfig
-from cluster.roles import evaluate
+from cluster.loop.roles import evaluate
 from data.datasets import PromptSampler, load_problems
-from cluster.batches import generation_requests
+from cluster.loop.batches import generation_requests
 from helpers import seeded
 from learner_pool import probe, state_copy
 from helpers import compiled_graphs
@@ -144,7 +144,7 @@ class RecordingBuffer(RolloutBuffer):
 def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, system_cfg):
     import copy
 
-    from cluster.batches import AsyncBatches
+    from cluster.loop.batches import AsyncBatches
 
     cfg = copy.deepcopy(system_cfg)
     # One batch ahead, no staleness allowed: the next batch's first chunks are handed out
@@ -185,7 +185,7 @@ def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
     made seed 0 fail, so the batch is the default job's.)"""
     import copy
 
-    from cluster.batches import AsyncBatches
+    from cluster.loop.batches import AsyncBatches
 
     cfg = copy.deepcopy(system_cfg)
     cfg.trainer.mode, cfg.trainer.max_steps, cfg.trainer.prompts_per_step = "async", 20, 64

@@ -12,7 +12,7 @@ from dataclasses import replace
 import psutil
 import ray
 
-from cluster.sync_channel import WeightSyncChannel
+from cluster.loop.sync_channel import WeightSyncChannel
 from helpers import GRPO, compiled_graphs, engine_state, greedy_ids, run, small_overrides, warmed_learner
 from rollout.pool import RolloutPool
 from rollout.worker import GenerationWorker, cpu_thread_binding

@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 import ray
 
-from cluster.sync_channel import WeightSyncChannel, WeightSyncError
+from cluster.loop.sync_channel import WeightSyncChannel, WeightSyncError
 from helpers import engine_state, seeded, warmed_learner
 from rollout.pool import RolloutPool
 
 
 def _cfg(system_cfg, tied: bool):
-    from cluster.preflight import resolve_model
+    from cluster.cli.checks import resolve_model
 
     cfg = copy.deepcopy(system_cfg)
     cfg.model.tie_word_embeddings = tied

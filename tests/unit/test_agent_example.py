@@ -115,7 +115,7 @@ def test_the_example_calculator_is_exact_and_runs_nothing_else():
 
 
 def test_records_in_chunk_stats_are_kept_not_summed(tmp_path, capsys):
-    from cluster.batches import DRIFT_FILE, keep_agent_records
+    from cluster.loop.batches import DRIFT_FILE, keep_agent_records
 
     total = Dispatched.empty(2)
     total.add(ChunkReport({"turns": 2.0}, records={"first_agent_error": "ValueError: a"}), [0])

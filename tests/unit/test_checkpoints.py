@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.checkpoint import (MANIFEST, STATE_FILE, CheckpointError, checkpoint_path, complete_checkpoints,
+from cluster.loop.checkpoint import (MANIFEST, STATE_FILE, CheckpointError, checkpoint_path, complete_checkpoints,
                                 latest_checkpoint, save_checkpoint, skipped_line)
 from common.messages import TrainerState
 
@@ -78,7 +78,7 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_the_one_resume_tak
     previous = _save(tmp_path, 4, learner_module.FileLearner())
     marker = tmp_path / "mid-write"
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from file_learner import FileLearner; "
-              f"from cluster.checkpoint import save_checkpoint; from common.messages import TrainerState; "
+              f"from cluster.loop.checkpoint import save_checkpoint; from common.messages import TrainerState; "
               f"save_checkpoint({str(tmp_path)!r}, 6, FileLearner(chunks=20, marker={str(marker)!r}), TrainerState(6), 0)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     writer = subprocess.Popen([sys.executable, "-c", script], env=env)
@@ -159,7 +159,7 @@ PREEMPTED = textwrap.dedent('''
     run_dir, before_steps = sys.argv[1], sys.argv[2] == "before"
     sys.path.insert(0, run_dir)
     from cluster import exits
-    from cluster.checkpoint import save_checkpoint
+    from cluster.loop.checkpoint import save_checkpoint
     from common.messages import TrainerState
     from file_learner import FileLearner
 
@@ -216,7 +216,7 @@ def test_sigterm_before_the_steps_stops_at_once_with_143(tmp_path, learner_modul
 
 
 def test_trainer_state_keeps_the_files_keys_and_their_order(tmp_path, learner_module):
-    from cluster.checkpoint import load_trainer_state
+    from cluster.loop.checkpoint import load_trainer_state
 
     state = TrainerState(step=3, policy_version=4, sampler={"order": [2, 0, 1], "position": 1},
                          accuracy_before=0.25, seed=7, rng={"python": [3, [1, 2], None]})

@@ -1,4 +1,4 @@
-"""Config composition (cluster/compose.py): schema <- conf/ groups <- Hydra-style overrides.
+"""Config composition (cluster/cli/compose.py): schema <- conf/ groups <- Hydra-style overrides.
 
 Fast: composes YAML only; no Ray, torch or vLLM.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.compose import ConfigError, load_config, schema_keys, validate
+from cluster.cli.compose import ConfigError, load_config, schema_keys, validate
 from common.config import Config
 
 
@@ -182,7 +182,7 @@ def test_resume_settings_are_checked_before_anything_starts(tmp_path):
 
 
 def test_half_written_and_incomplete_checkpoints_are_never_picked(tmp_path):
-    from cluster.checkpoint import MANIFEST, STATE_FILE, latest_checkpoint
+    from cluster.loop.checkpoint import MANIFEST, STATE_FILE, latest_checkpoint
 
     folder = tmp_path / "checkpoints"
     assert latest_checkpoint(tmp_path) is None
@@ -295,7 +295,7 @@ def test_min_new_tokens_reaches_training_samples_only():
 def test_a_local_rays_resources_are_checked_before_it_starts(monkeypatch):
     """What a local Ray will have is known before it starts: a shortfall exits at once. With
     GPUs left to Ray's detection only the CPUs are checked early; joining a cluster, nothing."""
-    from cluster.preflight import check_local_resources
+    from cluster.cli.checks import check_local_resources
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConfigError, match=r"5.5 CPU in all \(the cluster has 2\)"):
@@ -315,7 +315,8 @@ def test_a_gpu_cluster_refuses_a_learner_left_on_cpus(monkeypatch):
     """GPUs in the cluster and learner.num_gpus_per_rank=0 would train in fp32 over gloo
     without a word: refused, naming the key. A learner put on CPU-only nodes on purpose (its
     cluster.nodes label on no GPU node) and `grpo eval` (no learner) are let be."""
-    from cluster.preflight import _check_nodes, check_local_resources
+    from cluster.layout import check_nodes
+    from cluster.cli.checks import check_local_resources
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     on_gpus = ["rollout.num_gpus_per_worker=1", "ray.num_cpus=8"]
@@ -326,9 +327,9 @@ def test_a_gpu_cluster_refuses_a_learner_left_on_cpus(monkeypatch):
     check_local_resources(load_config(on_gpus + ["ray.num_gpus=2"]), ("rollout", "reward"))
     labelled = load_config(["rollout.num_gpus_per_worker=1", "cluster.nodes.learner=train"])
     gpu_node, cpu_node = {"CPU": 8, "GPU": 2}, {"CPU": 8, "train": 1}
-    _check_nodes(labelled, [{"Alive": True, "Resources": r} for r in (gpu_node, cpu_node)], 2.0, ("rollout", "learner"))
+    check_nodes(labelled, [{"Alive": True, "Resources": r} for r in (gpu_node, cpu_node)], 2.0, ("rollout", "learner"))
     with pytest.raises(ConfigError, match="learner.num_gpus_per_rank=0"):
-        _check_nodes(labelled, [{"Alive": True, "Resources": {**gpu_node, "train": 1}}], 2.0, ("rollout", "learner"))
+        check_nodes(labelled, [{"Alive": True, "Resources": {**gpu_node, "train": 1}}], 2.0, ("rollout", "learner"))
 
 
 @pytest.mark.parametrize("overrides, seeded", [
@@ -405,7 +406,7 @@ def test_lora_settings_resolve_and_refuse_what_cannot_run():
 
 
 def test_lora_targets_must_name_a_layer_no_narrower_than_the_rank(tmp_path):
-    from cluster.preflight import check_lora_targets, lora_targets
+    from cluster.cli.checks import check_lora_targets, lora_targets
     from data.tiny_model import build_tiny_model
 
     cfg = load_config([f"model.cache_dir={tmp_path}"])

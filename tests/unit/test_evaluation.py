@@ -1,11 +1,11 @@
-"""pass@k and maj@k (cluster/evaluation.py) against hand-worked numbers and brute force."""
+"""pass@k and maj@k (cluster/loop/evaluation.py) against hand-worked numbers and brute force."""
 from __future__ import annotations
 
 from itertools import combinations
 
 import pytest
 
-from cluster.evaluation import default_ks, format_table, maj_at_k, mean_metrics, pass_at_k, prompt_metrics
+from cluster.loop.evaluation import default_ks, format_table, maj_at_k, mean_metrics, pass_at_k, prompt_metrics
 
 
 def test_pass_at_k_hand_worked():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.jobs import AGENT_NOT_READY, submit_when_ready
+from cluster.cli.jobs import AGENT_NOT_READY, submit_when_ready
 
 NOT_READY = RuntimeError(f"Request failed with status code 500: {AGENT_NOT_READY}, please try again later..")
 
@@ -40,7 +40,7 @@ def test_other_errors_and_an_agent_that_never_starts_are_raised():
 
 @pytest.mark.parametrize("overrides, grace", [([], "600"), (["trainer.stop_grace_s=1800"], "1800")])
 def test_submit_gives_the_job_a_stop_grace_that_fits_a_step_and_a_checkpoint(monkeypatch, overrides, grace):
-    import cluster.jobs as jobs
+    import cluster.cli.jobs as jobs
 
     scripted = ScriptedJobs("raysubmit_1")
     monkeypatch.setattr(jobs, "client", lambda address: scripted)

@@ -1,5 +1,5 @@
 """Overrides the Hydra grammar cannot read: one line that names the key and shows the quoting
-that works, exit status 2 (cluster/compose.py)."""
+that works, exit status 2 (cluster/cli/compose.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.compose import ConfigError, load_config
+from cluster.cli.compose import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -178,8 +178,8 @@ def test_only_the_folder_the_builder_made_counts_as_the_built_in_model(tmp_path)
     """A folder the user names (model=hf model.path) goes through AutoTokenizer; so does a built-in
     folder made for other settings (with or without tool tags). With the tiny model's group a
     folder of the user's is refused (tests/unit/test_recipes.py)."""
-    from cluster.compose import load_config
-    from cluster.preflight import is_built_in
+    from cluster.cli.compose import load_config
+    from cluster.cli.checks import is_built_in
     from data.tiny_model import tiny_model_dir
 
     cfg = load_config([f"model.cache_dir={tmp_path}"])

@@ -3,7 +3,7 @@ what it says: a command that names its own model loads it as `model=hf` with a l
 for it, a GPU layout gives every engine and rank whole GPUs of their own, and each labelled
 recipe (`<!-- recipe: NAME -->` just before its code block) composes to the keys in RECIPES.
 
-Pure Hydra composition (cluster/compose.py), no actors. Also: `model.path` with the built-in
+Pure Hydra composition (cluster/cli/compose.py), no actors. Also: `model.path` with the built-in
 model is refused unless it is the builder's own folder.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from cluster.compose import ConfigError, _check_model, check_gpu_layout, compose_config, load_config, resolve_auto
+from cluster.cli.compose import ConfigError, _check_model, compose_config, load_config, resolve_auto
+from cluster.layout import check_gpu_layout
 from common.config import Config
 from data.prompts import use_chat_template
 

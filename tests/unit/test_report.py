@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import struct
 
-from cluster.report import PANELS, panel_series, write_report
+from cluster.loop.report import PANELS, panel_series, write_report
 
 SINGLE_TURN = {"reward_mean": 0.5, "score/math": 0.4, "score/format": 0.1, "accuracy": 0.5, "kl": 0.01,
                "entropy": 1.2, "clip_fraction": 0.0, "ratio_mean": 1.0, "ratio_max": 1.1,

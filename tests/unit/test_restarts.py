@@ -54,7 +54,7 @@ class _OneFileLearner:
 def _run_after_losses(tmp_path, max_restarts: int, restarts: int):
     from types import SimpleNamespace
 
-    from cluster.checkpoint import save_checkpoint
+    from cluster.loop.checkpoint import save_checkpoint
     from common.messages import TrainerState
 
     save_checkpoint(tmp_path, 2, _OneFileLearner(), TrainerState(2), 0)
@@ -65,7 +65,7 @@ def _run_after_losses(tmp_path, max_restarts: int, restarts: int):
 def test_with_no_restarts_allowed_a_lost_rank_stops_the_run_with_the_resume_line(tmp_path):
     import pytest
 
-    from cluster.recovery import recover_learner
+    from cluster.loop.recovery import recover_learner
     from learner.group import LearnerError
 
     lost = LearnerError("a learner rank died during train_step (ActorDiedError)")

@@ -18,7 +18,7 @@ class Part:
 
 
 def test_close_stops_every_part_even_when_one_fails(capsys):
-    from cluster.run import Run
+    from cluster.loop.run import Run
 
     log = []
     run = Run(Config(), ResolvedInputs("model", (), PromptInfo(False, "", (), (), (0, ""))))
@@ -32,7 +32,7 @@ def test_close_stops_every_part_even_when_one_fails(capsys):
 
 
 def test_threads_follow_the_mode_and_the_cpus():
-    from cluster.preflight import plan_threads
+    from cluster.loop.launch import plan_threads
 
     cfg = Config()  # 2 learner ranks, 2 engines, sync
     plan = plan_threads(cfg, 16)
@@ -58,7 +58,7 @@ def test_threads_follow_the_mode_and_the_cpus():
 def test_what_a_run_resolves_is_returned_and_the_validated_config_is_left_as_it_is():
     import copy
 
-    from cluster.preflight import plan_threads, run_config
+    from cluster.loop.launch import plan_threads, run_config
 
     cfg = Config()
     cfg.rollout.stop_token_ids = [7]
@@ -75,7 +75,7 @@ def test_what_a_run_resolves_is_returned_and_the_validated_config_is_left_as_it_
 def test_device_defaults_are_resolved_into_a_new_config():
     import copy
 
-    from cluster.compose import resolve_auto
+    from cluster.cli.compose import resolve_auto
 
     cfg = Config()
     before = copy.deepcopy(cfg)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.batches import AsyncBatches, Batch
-from cluster.samples import SampleLog, read, sample_ids
+from cluster.loop.batches import AsyncBatches, Batch
+from cluster.loop.samples import SampleLog, read, sample_ids
 from common.messages import GenerationRequest
 
 

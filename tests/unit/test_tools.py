@@ -391,7 +391,7 @@ def test_verifiers_see_the_model_s_text_and_the_transcript_as_a_field():
 
 
 def test_grpo_verify_scores_a_transcript_row_as_training_does(tmp_path):
-    from cluster.verify import VerifyInputError, _request, read_rows
+    from cluster.cli.verify import VerifyInputError, _request, read_rows
 
     episode = [{"role": "assistant", "content": "<think><tool>calculator: 2*3</tool>"},
                {"role": "tool", "content": "<result>6</result>"},
