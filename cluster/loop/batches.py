@@ -307,12 +307,18 @@ def thaw(data: bytes) -> List[tuple]:
     """What `freeze` wrote, the groups put back in the object store."""
     return [(step, dataclasses.replace(batch, refs=[ray.put(group) for group in batch.refs],
                                        items=[_as_request(item) for item in batch.items]))
-            for step, batch in _Unpickler(io.BytesIO(data)).load()]
+            for step, batch in unpickle(data)]
+
+
+def unpickle(data: bytes):
+    """`pickle.loads`, reading the batches of a checkpoint written before a class moved."""
+    return _Unpickler(io.BytesIO(data)).load()
 
 
 class _Unpickler(pickle.Unpickler):
     """Reads checkpoints written before a class moved: (module, name) as pickled -> where it is now."""
-    MOVED = {("rollout.datasets", "Problem"): ("common.problem", "Problem")}
+    MOVED = {("rollout.datasets", "Problem"): ("common.problem", "Problem"),
+             ("cluster.batches", "Batch"): ("cluster.loop.batches", "Batch")}
 
     def find_class(self, module: str, name: str):
         return super().find_class(*self.MOVED.get((module, name), (module, name)))
