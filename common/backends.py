@@ -4,7 +4,7 @@ weight-sync channel and the episode loops are written against.
 Today's implementations: rollout/worker.py's GenerationWorker (vLLM) with rollout/engine.py's
 VllmStepEngine, and reward/scorer.py's VerifierScorer (verifiers in a killable child process). A
 second backend (SGLang, a remote OpenAI-compatible server) or a model-based reward is one new
-class that provides these methods; docs/design.md names the files it touches.
+class that provides these methods; docs/development.md ("How to add") names the files it touches.
 """
 from __future__ import annotations
 

@@ -44,6 +44,12 @@ _NOBODY = 65534
 _RESULT_CAP = 64 * 1024
 
 
+MARGIN_S = 0.25
+"""A sandbox gets this much less than its caller's hard limit (a verifier's, a tool call's), so
+that a slow program ends as the sandbox's own timeout (cheap) rather than as a kill of the whole
+process that called it."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 5.0

@@ -24,6 +24,7 @@ from common.config import RewardConfig
 from common.plugins import load_function
 from reward.code import code_score
 from reward.language import language_score, length_penalty, script_of
+from common.sandbox import MARGIN_S as SANDBOX_MARGIN_S
 from common.sandbox import SandboxLimits
 from reward.verifiers import format_score, math_score
 
@@ -32,11 +33,6 @@ __all__ = ["BUILTIN", "build_verifiers", "check_settings", "combine", "sandbox_l
 Call = Callable[[str, str, str, Mapping[str, Any]], float]
 
 BUILTIN = ("math", "format", "code", "language", "length")
-
-SANDBOX_MARGIN_S = 0.25
-"""The sandbox gets this much less than the hard limit, so that a slow program ends as the
-sandbox's own timeout (cheap) rather than as a kill of the whole scorer process."""
-
 
 def sandbox_limits(cfg: RewardConfig) -> SandboxLimits:
     """The code sandbox's limits from the reward section."""

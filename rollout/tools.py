@@ -38,8 +38,6 @@ from common.sandbox import SandboxLimits, run_python
 from common.sandbox import kill as kill_sandbox
 from rollout.tool_process import ToolProcess, ToolProcessError, ToolRaised
 
-BUILTIN_TOOLS = ("calculator", "python")
-
 Arguments = Union[str, Mapping[str, Any]]
 
 

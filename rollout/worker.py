@@ -146,6 +146,7 @@ class GenerationWorker:
         self.agents = AgentPool(c.agent, c.agent_concurrency, c.agent_timeout_s, search_path=[os.getcwd()])
 
     def _start_tools(self) -> None:
+        from common.sandbox import MARGIN_S as SANDBOX_MARGIN_S
         from common.sandbox import SandboxLimits
         from common.tool_formats import make_format
         from rollout.tools import ToolBox
@@ -155,7 +156,7 @@ class GenerationWorker:
         self.format = make_format(c.tool_format, self.tokenizer)
         # The sandbox ends a slow program itself a little before the box stops waiting: cheaper
         # than abandoning the call.
-        sandbox = SandboxLimits(timeout_s=max(c.tool_timeout_s - 0.25, 0.1))
+        sandbox = SandboxLimits(timeout_s=max(c.tool_timeout_s - SANDBOX_MARGIN_S, 0.1))
         self.tools = ToolBox(c.tools, c.custom_tools, c.tool_timeout_s, c.tool_max_output_chars, sandbox,
                              search_path=[os.getcwd()])
 
