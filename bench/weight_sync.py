@@ -69,6 +69,12 @@ def count_params(folder: str) -> int:
     return total
 
 
+def receive_raw(worker, wire_spec: dict) -> dict:
+    """On a generation worker (through `__ray_call__`): a plain broadcast of the sync's bytes,
+    dropped on arrival."""
+    return max(worker.llm.collective_rpc("receive_raw", args=(wire_spec,)), key=lambda t: t["load_s"])
+
+
 def broadcast_raw(rank, wire_spec: dict) -> None:
     """On a learner rank (through `__ray_call__`): rank 0 broadcasts buckets of the sync's sizes
     with nothing packed, a plain broadcast of the same bytes over the same group, the yardstick
@@ -115,7 +121,7 @@ def sync_size(size: str, cache: str, pushes: int, bucket_mb: float, transport: s
             # The yardstick, same run, same processes, same group: the same buckets broadcast and
             # dropped on arrival (no packing, no loading into vLLM).
             start = time.perf_counter()
-            receives = [w.receive_raw.remote(channel.spec) for w in pool.workers]
+            receives = [w.__ray_call__.remote(receive_raw, channel.spec) for w in pool.workers]
             ray.get([r.__ray_call__.remote(broadcast_raw, channel.spec) for r in learner.ranks] + receives)
             raws.append(time.perf_counter() - start)
         num_bytes = metrics["sync_bytes"]

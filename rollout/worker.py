@@ -332,16 +332,6 @@ class GenerationWorker:
         return "" if self.agents is None else f"{self.endpoint.host}:{self.endpoint.port}"
 
     @exits_if_engine_died
-    def prompt_logprobs(self, prompts: Sequence[str]) -> List[List[float]]:
-        """log p(token_t | tokens_<t) of each prompt's tokens after the first (for exactness tests)."""
-        from vllm import SamplingParams
-
-        outputs = self.llm.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
-                                    use_tqdm=False, lora_request=self.lora_request)
-        return [[float(step[token].logprob) for token, step in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
-                for o in outputs]
-
-    @exits_if_engine_died
     def init_weight_sync(self, host: str, port: int, base_rank: int, world_size: int, timeout_s: float,
                          backend: str) -> None:
         """Every vLLM worker process of this engine (one per tensor-parallel rank) joins the group."""
@@ -368,14 +358,6 @@ class GenerationWorker:
         self.policy_version = version
         return {"policy_version": version, **timings}
 
-    def serve_adapter(self, folder: str) -> None:
-        """Serve the peft adapter saved in `folder` from the next call on (a fresh engine given a
-        saved adapter, for the push's exactness test; `rollout.max_lora_rank` must hold it)."""
-        from vllm.lora.request import LoRARequest
-
-        self._lora_pushes += 1
-        self.lora_request = LoRARequest(f"saved-{self._lora_pushes}", self._lora_pushes, folder)
-
     def _adapter_dir(self, number: int) -> str:
         """Node-local tmpfs folder of adapter push `number`; the folders of older pushes go
         (the engine never asks for an adapter version again once a newer one is served)."""
@@ -388,13 +370,6 @@ class GenerationWorker:
                     shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         return os.path.join(root, str(number))
 
-    def receive_raw(self, wire_spec: dict) -> dict:
-        """A plain broadcast of the sync's bytes, dropped on arrival (the bench's yardstick)."""
-        return max(self.llm.collective_rpc("receive_raw", args=(wire_spec,)), key=lambda t: t["load_s"])
-
-    def weights_checksum(self) -> list:
-        """Per tensor-parallel rank, the sum of each parameter (its shard) by name."""
-        return self.llm.collective_rpc("weights_checksum")
 
 
 def engine_core_in_actor(setting: str, on_gpu: bool) -> bool:

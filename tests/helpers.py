@@ -89,11 +89,40 @@ def greedy_ids(worker, prompts=PROMPTS):
     return [g.completion_ids for g in out[:-1]]
 
 
+# ---- probes of a generation worker: run in its actor through Ray's `__ray_call__` ------------
+def prompt_logprobs(worker, prompts) -> list:
+    """log p(token_t | tokens_<t) of each prompt's tokens after the first, under the adapter the
+    worker serves (for exactness tests)."""
+    from vllm import SamplingParams
+
+    outputs = worker.llm.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                                  use_tqdm=False, lora_request=worker.lora_request)
+    return [[float(step[token].logprob) for token, step in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+            for o in outputs]
+
+
+def weights_checksum(worker) -> list:
+    """Per tensor-parallel rank, the sum of each parameter (its shard) by name."""
+    return worker.llm.collective_rpc("weights_checksum")
+
+
+def serve_adapter(worker, folder: str) -> None:
+    """Serve the peft adapter saved in `folder` from the next call on (a fresh engine given a
+    saved adapter; `rollout.max_lora_rank` must hold it)."""
+    from vllm.lora.request import LoRARequest
+
+    worker._lora_pushes += 1
+    worker.lora_request = LoRARequest(f"saved-{worker._lora_pushes}", worker._lora_pushes, folder)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes run in the actors
+
+
 def engine_state(worker, prompts=PROMPTS):
     """What must match between two engines holding the same weights: greedy outputs, prompt
     log-probs, and every tensor-parallel rank's parameter sums."""
-    return (greedy_ids(worker, prompts), ray.get(worker.prompt_logprobs.remote(prompts)),
-            ray.get(worker.weights_checksum.remote()))
+    return (greedy_ids(worker, prompts), ray.get(worker.__ray_call__.remote(prompt_logprobs, prompts)),
+            ray.get(worker.__ray_call__.remote(weights_checksum)))
 
 
 def compiled_graphs():

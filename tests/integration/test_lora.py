@@ -14,7 +14,7 @@ import torch
 from cluster.loop.sync_channel import WeightSyncChannel
 from common.config import LoraConfig
 from learner_pool import probe, state_copy, trained_numel
-from helpers import engine_state, varied_groups, warmed_learner
+from helpers import engine_state, serve_adapter, varied_groups, warmed_learner
 from learner import engines, grpo
 from rollout.pool import RolloutPool
 
@@ -137,7 +137,7 @@ def test_adapter_push_equals_a_fresh_engine_with_the_saved_adapter(learners, fre
             base = learner.save_pretrained(str(tmp_path / "base"), "base")
             adapter = learner.save_pretrained(str(tmp_path / "adapter"), "adapter")
         fresh = fresh_engines.engine(base, rollout, 123)
-        ray.get(fresh.serve_adapter.remote(adapter))
+        ray.get(fresh.__ray_call__.remote(serve_adapter, adapter))
         expected, got = engine_state(fresh), engine_state(pool.workers[0])
         assert got[0] == expected[0], "greedy outputs differ from a fresh engine's with the saved adapter"
         assert got[1] == expected[1], "prompt log-probs differ from a fresh engine's with the saved adapter"
