@@ -262,6 +262,8 @@ class WarmupConfig(Section):
 
 @dataclass
 class RolloutConfig(Section):
+    backend: str = one_of(("vllm",))
+    """The generation backend each generation actor runs (cluster/loop/roles.py's BACKENDS)."""
     num_workers: int = 2
     """vLLM generation actors."""
     num_cpus_per_worker: float = 0.5
@@ -530,6 +532,9 @@ class LearnerConfig(Section):
 
 @dataclass
 class RewardConfig(Section):
+    scorer: str = one_of(("verifiers",))
+    """What scores completions in each verifier actor: the rule-based `verifiers` below
+    (cluster/loop/roles.py's SCORERS)."""
     num_workers: int = 2
     """Verifier pool actors."""
     num_cpus_per_worker: float = 0.25

@@ -129,11 +129,11 @@ def verify(verifiers: Sequence[str], input_path: str, output_path: str,
     import ray  # only now: bad input answers before Ray is imported
 
     from common.ray_utils import init_ray
-    from reward.pool import VerifierPool
+    from cluster.loop.roles import start_verifiers
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:
-        pool = VerifierPool(cfg.reward)
+        pool = start_verifiers(cfg)
         pool.ready()
         start = time.perf_counter()
         outcomes, stats = pool.score_items([_request(row) for row in rows])

@@ -20,12 +20,11 @@ from cluster.loop.batches import generation_requests
 from cluster.loop.evaluation import default_ks, format_table, mean_metrics, prompt_metrics
 from cluster.loop.launch import ACTOR_ENV, check_resources, make_run_dir, run_config, run_name, say, show_prompt
 from cluster.loop.placement import Placement
+from cluster.loop.roles import start_rollout, start_verifiers
 from common.config import Config
 from common.messages import ResolvedInputs
 from common.ray_utils import init_ray
-from reward.pool import VerifierPool
 from reward.verifiers import extract_answer
-from rollout.pool import RolloutPool
 
 EVAL_ROLES = ("rollout", "reward")  # no learner
 EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
@@ -91,9 +90,8 @@ def evaluate_model(cfg: Config, inputs: ResolvedInputs, problems, started: float
     placement = Placement(cfg, cfg.cluster.placement_timeout_s, roles)
     rollout = verifiers = None
     try:
-        verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
-        rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,
-                              placement=lambda i: placement.options("rollout", i))
+        verifiers = start_verifiers(cfg, placement)
+        rollout = start_rollout(cfg, placement)
         say(f"evaluating {cfg.model.path} on {len(problems)} prompts"
             + (f", {cfg.eval.n} samples each at temperature {cfg.eval.temperature}" if cfg.eval.n else ""), started)
         metrics, records = evaluate_full(rollout, verifiers, problems, cfg)

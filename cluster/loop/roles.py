@@ -2,15 +2,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Dict, Optional, Sequence, Type
 
 from cluster.loop.batches import generation_requests
 from cluster.loop.placement import Placement
 from cluster.loop.sync_channel import WeightSyncChannel
-from common.config import Config
+from common.backends import GenerationBackend, Scorer
+from common.config import Config, RewardConfig
 from learner.group import LearnerGroup
 from reward.pool import VerifierPool
+from reward.scorer import VerifierScorer
 from rollout.pool import RolloutPool
+from rollout.worker import GenerationWorker
+
+BACKENDS: Dict[str, Type[GenerationBackend]] = {"vllm": GenerationWorker}
+"""The generation backends by `rollout.backend`: a second one is a class and an entry here."""
+SCORERS: Dict[str, Callable[[RewardConfig, Sequence[str]], Scorer]] = {"verifiers": VerifierScorer}
+"""What scores completions in a verifier actor, by `reward.scorer`."""
 
 
 @dataclass
@@ -33,7 +41,6 @@ class Roles:
                 self.placement.remove()
             except Exception:
                 pass
-
 
     def restart_learner(self, cfg: Config) -> None:
         """A lost learner rank (or node): the whole group goes (its other ranks hold shards of
@@ -60,13 +67,24 @@ def start_roles(cfg: Config) -> Roles:
     placement = Placement(cfg, cfg.cluster.placement_timeout_s)
     # The learner starts first: its DeepSpeed set-up overlaps the (slower) vLLM engine start-up.
     learner = start_learner(cfg, placement)
-    verifiers = VerifierPool(cfg.reward, placement=lambda i: placement.options("reward", i))
-    rollout = RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed,
-                          placement=lambda i: placement.options("rollout", i))
+    verifiers = start_verifiers(cfg, placement)
+    rollout = start_rollout(cfg, placement)
     channel = WeightSyncChannel(learner, rollout, cfg.rollout.dtype, cfg.sync.bucket_mb, cfg.sync.timeout_s,
                                 cfg.sync.transport)
     rollout.recover = channel.recover
     return Roles(rollout=rollout, verifiers=verifiers, learner=learner, channel=channel, placement=placement)
+
+
+def start_rollout(cfg: Config, placement: Optional[Placement] = None) -> RolloutPool:
+    """The generation pool of `rollout.backend`, in its placement group when given."""
+    return RolloutPool(cfg.model.path, cfg.rollout, cfg.trainer.seed, backend=BACKENDS[cfg.rollout.backend],
+                       placement=(lambda i: placement.options("rollout", i)) if placement else None)
+
+
+def start_verifiers(cfg: Config, placement: Optional[Placement] = None) -> VerifierPool:
+    """The verifier pool, each actor scoring with `reward.scorer`, in its placement group when given."""
+    return VerifierPool(cfg.reward, make_scorer=SCORERS[cfg.reward.scorer],
+                        placement=(lambda i: placement.options("reward", i)) if placement else None)
 
 
 def evaluate(roles: Roles, problems) -> float:
