@@ -83,3 +83,20 @@ def actor_index(handles, cause) -> int:
     actor_id = actor_id.hex() if isinstance(actor_id, bytes) else actor_id
     ids = [h._actor_id.hex() for h in handles]
     return ids.index(actor_id) if actor_id in ids else -1
+
+
+def first_death(refs, wait_s: float):
+    """The RayActorError of an actor among `refs`' that died, if one did. A dead actor's call
+    fails within moments while a live one may still wait (in a collective, a broadcast), so the
+    wait is bounded by `wait_s`."""
+    import ray
+
+    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as error:
+            return error
+        except Exception:  # an actor that failed but lives, or is still waiting
+            continue
+    return None

@@ -9,7 +9,7 @@ import ray
 
 from common.config import AlgoConfig, LearnerConfig
 from common.errors import RunFailed
-from common.ray_utils import actor_index, free_port, node_ip
+from common.ray_utils import actor_index, first_death, free_port, node_ip
 from learner.actor import LearnerRank
 from learner.metrics import combine_metrics
 
@@ -33,17 +33,9 @@ def _get(refs, method: str):
 
 
 def _dead_rank(refs, wait_s: float = 10.0):
-    """The RayActorError of a rank that died, if one did (a dead actor's call fails within
-    moments; the wait is bounded for ranks still stuck in a collective)."""
-    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-    for ref in refs:
-        try:
-            ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError as error:
-            return error
-        except Exception:  # a rank that failed but lives, or is still waiting
-            continue
-    return None
+    """The RayActorError of a rank that died, if one did (the wait is bounded for ranks still
+    stuck in a collective)."""
+    return first_death(refs, wait_s)
 
 
 def _rendezvous_address():

@@ -17,7 +17,7 @@ from common import weight_sync
 from common.dispatch import call_when_up
 from common.errors import RunFailed
 from common.messages import RestartEvent
-from common.ray_utils import death_cause
+from common.ray_utils import death_cause, first_death
 
 DEATH_WAIT_S = 10.0
 
@@ -146,15 +146,7 @@ class WeightSyncChannel:
     def _dead_receiver(self, receives):
         """The RayActorError of a receiver that died, if one did: a dead actor's call fails within
         moments, a live receiver may wait in its broadcast, so the wait is short."""
-        ray.wait(receives, num_returns=len(receives), timeout=min(self.timeout_s, DEATH_WAIT_S))
-        for ref in receives:
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as error:
-                return error
-            except Exception:  # a receiver that failed but lives, or is still waiting
-                continue
-        return None
+        return first_death(receives, min(self.timeout_s, DEATH_WAIT_S))
 
     def _push(self, version: int) -> Dict[str, float]:
         if self._base_due:  # LoRA's base before its adapters: a version's two halves
