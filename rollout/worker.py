@@ -94,12 +94,13 @@ class GenerationWorker:
             # vLLM's CPU build binds each TP rank's threads to a NUMA node of its own and refuses
             # more ranks than nodes; a one-node machine splits its CPUs between the ranks instead.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp)
-        if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        if rollout_cfg.engine_core != "auto" or "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
             # The engine core inside this actor on CPUs: its own process re-imports torch and
             # vLLM at start and every generate call pays a round trip to it (bench/end_to_end.py:
             # start-up and steps both faster). A tensor-parallel engine's ranks stay processes of
             # vLLM's `mp` executor. On GPUs vLLM's own process overlaps scheduling with the GPU's
-            # work: kept there.
+            # work: kept there. A setting of rollout.engine_core wins over the variable, which a
+            # process can inherit from whatever ran an engine in its parent before Ray started.
             in_actor = engine_core_in_actor(rollout_cfg.engine_core, not current_platform.is_cpu())
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_actor else "1"
         if current_platform.is_cpu() and rollout_cfg.enforce_eager:
