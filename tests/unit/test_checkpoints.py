@@ -158,7 +158,8 @@ PREEMPTED = textwrap.dedent('''
     import sys, time
     run_dir, before_steps = sys.argv[1], sys.argv[2] == "before"
     sys.path.insert(0, run_dir)
-    from cluster import exits
+    from cluster.cli import exits
+    from cluster.loop import signals
     from cluster.loop.checkpoint import save_checkpoint
     from common.messages import TrainerState
     from file_learner import FileLearner
@@ -168,9 +169,9 @@ PREEMPTED = textwrap.dedent('''
         if before_steps:
             open(run_dir + "/ready", "w").close()
             time.sleep(60)  # the warm-up, say
-        with exits.steps_running():
+        with signals.steps_running():
             open(run_dir + "/ready", "w").close()
-            while not exits.stop_requested():  # a step that is running when SIGTERM comes
+            while not signals.stop_requested():  # a step that is running when SIGTERM comes
                 time.sleep(0.01)
             save_checkpoint(run_dir, 6, FileLearner(chunks=20, marker=run_dir + "/mid-write"), TrainerState(6), 0)
         return 0
