@@ -20,6 +20,8 @@ from typing import Dict, List, Optional, Sequence
 from common.config import Config, ConfigError
 
 ROLES = ("rollout", "learner", "reward")
+EVAL_ROLES = ("rollout", "reward")
+"""The roles `grpo eval` starts: no learner."""
 LABEL_SHARE = 0.001
 """How much of its node resource each actor takes: any positive amount pins it; small enough
 that a node labelled with 1 holds a thousand actors."""

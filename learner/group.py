@@ -18,6 +18,10 @@ class LearnerError(RunFailed):
     """A learner rank died: the update cannot continue (its shard of the state is gone)."""
 
 
+DEATH_WAIT_S = 10.0
+"""How long a failed call waits for its group's other calls before asking which rank died
+(ranks still stuck in a collective never answer)."""
+
 def _get(refs, method: str):
     try:
         return ray.get(refs)
@@ -26,16 +30,10 @@ def _get(refs, method: str):
     except ray.exceptions.RayTaskError:
         # A rank whose peer died mid-collective fails itself (gloo: the connection closed), and
         # that error can arrive before the dead rank's: the death is the cause to report.
-        died = _dead_rank(refs)
+        died = first_death(refs, DEATH_WAIT_S)
         if died is None:
             raise
         raise LearnerError(f"a learner rank died during {method} ({type(died).__name__})") from died
-
-
-def _dead_rank(refs, wait_s: float = 10.0):
-    """The RayActorError of a rank that died, if one did (the wait is bounded for ranks still
-    stuck in a collective)."""
-    return first_death(refs, wait_s)
 
 
 def _rendezvous_address():

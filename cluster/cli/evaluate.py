@@ -9,7 +9,7 @@ from typing import Sequence
 from cluster.cli.checks import check_local_resources, prepare_prompts, resolve_model
 from cluster.cli.compose import load_config
 from cluster.cli.exits import fail
-from cluster.layout import ROLES
+from cluster.layout import EVAL_ROLES
 from common.config import freeze
 from data.datasets import load_eval_problems
 
@@ -22,8 +22,7 @@ def command(model_dir: str, overrides: Sequence[str]) -> int:
     started = time.time()
     freeze(cfg)  # what the job resolves goes into a copy (cluster/loop/launch.run_config)
     problems = load_eval_problems(cfg.data, cfg.trainer.seed)
-    roles = tuple(r for r in ROLES if r != "learner")
-    check_local_resources(cfg, roles)
+    check_local_resources(cfg, EVAL_ROLES)
     problems, _, inputs = prepare_prompts(cfg, resolve_model(cfg), problems, [])
     # The job's modules (Ray, the pools) only now: every input is known good.
     from cluster.loop.eval_job import evaluate_model

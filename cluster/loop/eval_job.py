@@ -16,6 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import ray
 
+from cluster.layout import EVAL_ROLES
 from cluster.loop.batches import generation_requests
 from cluster.loop.evaluation import default_ks, format_table, mean_metrics, prompt_metrics
 from cluster.loop.launch import ACTOR_ENV, check_resources, make_run_dir, run_config, run_name, say, show_prompt
@@ -26,7 +27,6 @@ from common.messages import ResolvedInputs
 from common.ray_utils import init_ray
 from reward.verifiers import extract_answer
 
-EVAL_ROLES = ("rollout", "reward")  # no learner
 EVAL_SEED = 1  # the same samples' random streams at every evaluation: the steps compare
 
 
@@ -81,13 +81,12 @@ def write_records(run_dir: Path, records: List[dict]) -> Path:
 def evaluate_model(cfg: Config, inputs: ResolvedInputs, problems, started: float) -> Dict[str, float]:
     """The `grpo eval` job, its inputs checked (cluster/cli/evaluate.py): start the rollout and
     verifier pools, evaluate, write, print."""
-    roles = EVAL_ROLES
     init_ray(cfg.ray.address, cfg.ray.num_cpus, env_vars=ACTOR_ENV, num_gpus=cfg.ray.num_gpus)
-    check_resources(cfg, roles)
+    check_resources(cfg, EVAL_ROLES)
     cfg = run_config(cfg, inputs, run_name(cfg))  # the validated config is left as it is
     run_dir = make_run_dir(cfg)
     show_prompt(run_dir, inputs.prompts, started)
-    placement = Placement(cfg, cfg.cluster.placement_timeout_s, roles)
+    placement = Placement(cfg, cfg.cluster.placement_timeout_s, EVAL_ROLES)
     rollout = verifiers = None
     try:
         verifiers = start_verifiers(cfg, placement)

@@ -9,6 +9,8 @@ from typing import Dict, Optional
 
 from tqdm import tqdm
 
+from cluster.loop.samples import keep_steps
+
 # Shown in the progress bar, in this order.
 BAR_KEYS = {"reward_mean": "reward", "accuracy": "acc", "kl": "kl"}
 
@@ -37,11 +39,7 @@ class MetricsLogger:
 
     def _keep(self, step: int) -> None:
         """A resumed run keeps the lines up to its checkpoint and writes the rest again."""
-        kept = []
-        if step > 0 and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        keep_steps(self.path, step)
 
     def rewind(self, step: int) -> None:
         """Back to the end of `step` (a learner rebuilt from its checkpoint trains the later

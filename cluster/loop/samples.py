@@ -26,6 +26,15 @@ def sample_ids(step: int, items: Sequence[GenerationRequest], versions: Sequence
             for item, version in zip(items, versions) for j in range(group_size)]
 
 
+def keep_steps(path: Path, step: int) -> None:
+    """A JSONL file of one line per step (metrics.jsonl, samples.jsonl) cut back to the lines of
+    steps up to `step` (0: none): a resumed run writes the rest again."""
+    kept = []
+    if step > 0 and path.exists():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 class SampleLog:
     def __init__(self, run_dir: Path, resume_step: int = 0):
         self.path = Path(run_dir) / FILE
@@ -33,11 +42,7 @@ class SampleLog:
 
     def rewind(self, step: int) -> None:
         """Keep the lines of steps up to `step` (0: none)."""
-        kept = []
-        if step > 0 and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        keep_steps(self.path, step)
 
     def append(self, samples: Sequence[dict]) -> None:
         with self.path.open("a") as f:
