@@ -86,36 +86,68 @@ def _rank(rank: int, port: int, path: str, args, out) -> None:
              "phases_mb": {k: [round(v) for v in pair] for k, pair in phases.items()}, **_tensors(learner)})
 
 
+def _numel_bytes(tensors) -> int:
+    return sum((t.ds_tensor if hasattr(t, "ds_tensor") else t).numel() * t.element_size() for t in tensors)
+
+
 def _tensors(learner) -> dict:
-    """What this rank's tensors hold (parameters, gradients and optimizer state, its partitions
-    under ZeRO-3) and what a push sends (`push_mb`; `full_push_mb`: every weight)."""
+    """What this rank's tensors hold (its partitions under ZeRO-3), by the formula's parts:
+    parameters, the gradients of the trained ones (their float32 size, counted: DeepSpeed frees
+    them after the step), the optimizer (moments, and the float32 master copy DeepSpeed's ZeRO
+    optimizers keep apart from the model's parameters), the reference; and what a push sends
+    (`push_mb`; `full_push_mb`: every weight)."""
     import torch
 
     from common.weight_sync import WeightSpec
 
-    params = list(learner.policy.module.parameters())
-    held = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in params)
+    policy = learner.policy
+    params = list(policy.module.parameters())
     trained = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * 4 for p in params if p.requires_grad)
-    optimizer = learner.policy.optimizer
-    state = getattr(optimizer, "optimizer", optimizer).state
-    moments = sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+    inner = getattr(policy.optimizer, "optimizer", policy.optimizer)
+    own = {(p.ds_tensor if hasattr(p, "ds_tensor") else p).untyped_storage().data_ptr() for p in params}
+    master = [t for g in inner.param_groups for t in g["params"] if t.untyped_storage().data_ptr() not in own]
+    moments = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    ref = policy.ref_model
+    ref_bytes = 0 if ref is None or getattr(ref, "engine", None) is policy.engine else _numel_bytes(
+        list(getattr(ref, "module", ref).parameters()))
     spec = WeightSpec.from_wire(learner.weight_spec("float32", 64))
     base = learner.weight_spec("float32", 64, "base")
     full = WeightSpec.from_wire(base).total_bytes if base else spec.total_bytes
-    return {"tensor_mb": (held + trained + moments) / 2**20, "params_mb": held / 2**20,
-            "optimizer_state_mb": moments / 2**20, "push_mb": spec.total_bytes / 2**20, "full_push_mb": full / 2**20}
+    parts = {"params_mb": _numel_bytes(params), "gradients_mb": trained,
+             "optimizer_state_mb": _numel_bytes(master) + _numel_bytes(moments), "reference_mb": ref_bytes}
+    parts = {k: v / 2**20 for k, v in parts.items()}
+    return {**parts, "tensor_mb": sum(parts.values()), "push_mb": spec.total_bytes / 2**20,
+            "full_push_mb": full / 2**20}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("hidden", 768), ("layers", 8), ("heads", 12), ("inter", 3072), ("ranks", 2), ("zero", 2),
-                          ("prompts", 4), ("group", 2), ("prompt-len", 16), ("completion", 32), ("budget", 4096),
-                          ("steps", 2), ("threads", 1)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
-    parser.add_argument("--lora", type=int, default=0, help="learner.lora.rank (0: full fine-tuning)")
-    parser.add_argument("--cache", default="~/.cache/grpo/models")
-    args = parser.parse_args()
+def _formula(path: str, args) -> dict:
+    """learner/memory_plan.py's bytes per rank for this run's layout (float32 on CPUs), in MB."""
+    from learner.memory_plan import Layout, ModelShape, per_rank
+
+    shape = ModelShape.from_folder(path)
+    layout = Layout(zero_stage=args.zero, ranks=args.ranks, dtype_bytes=4, lora_rank=args.lora,
+                    checkpointed=args.checkpointing)
+    b = per_rank(shape, layout)
+    tokens = (args.prompt_len + args.completion) * args.group * args.prompts // args.ranks
+    act = min(tokens, args.budget or tokens) * shape.activation_bytes_per_token(4, args.checkpointing)
+    return {"params": shape.parameters(), "parameters_mb": b.parameters / 2**20, "gradients_mb": b.gradients / 2**20,
+            "optimizer_mb": b.optimizer / 2**20, "reference_mb": b.reference / 2**20, "total_mb": b.total / 2**20,
+            "activations_mb": act / 2**20}
+
+
+SIZES = {"25M": (512, 6, 8, 2048), "100M": (1024, 6, 16, 4096), "300M": (1024, 18, 16, 4096),
+         "1B": (2048, 15, 16, 8192)}
+"""--sweep's sizes: hidden, layers, heads, MLP width (float32, the built-in vocabulary of a few hundred)."""
+LAYOUTS = {"zero2": ["--zero", "2"], "zero3": ["--zero", "3"], "zero3+gc": ["--zero", "3", "--checkpointing"],
+           "zero3+lora": ["--zero", "3", "--lora", "16"]}
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "0"}
+"""--malloc: glibc returns freed blocks of 1 MB and more to the kernel at once (ZeRO-3 frees a
+gathered block per layer; with the default, dynamic threshold those stay in the process)."""
+
+
+def run_once(args) -> dict:
+    """One run: the model built (once), the ranks started, their reports gathered."""
+    import os
 
     from common.config import ModelConfig
     from data.tiny_model import build_tiny_model
@@ -123,8 +155,8 @@ def main() -> None:
     path = build_tiny_model(ModelConfig(cache_dir=args.cache, hidden_size=args.hidden, num_layers=args.layers,
                                         num_heads=args.heads, intermediate_size=args.inter,
                                         max_position_embeddings=max(256, args.prompt_len + args.completion + 1)))
-    params = json.loads((Path(path) / "config.json").read_text())
-    params["params_m"] = round((Path(path) / "model.safetensors").stat().st_size / 4e6, 1)  # float32 weights
+    if args.malloc:
+        os.environ.update(MALLOC)  # read by glibc when each spawned rank starts
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -136,10 +168,52 @@ def main() -> None:
     results = sorted((out.get() for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join()
-    setting = {k: v for k, v in vars(args).items() if k != "cache"}
-    print(json.dumps({"setting": setting, "model": {k: params[k] for k in ("hidden_size", "num_hidden_layers",
-                                                                             "intermediate_size", "vocab_size", "params_m")},
-                      "ranks": results}), flush=True)
+    config = json.loads((Path(path) / "config.json").read_text())
+    setting = {k: v for k, v in vars(args).items() if k not in ("cache", "sweep", "output")}
+    return {"setting": setting, "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers",
+                                                                  "intermediate_size", "vocab_size")},
+            "formula": _formula(path, args), "ranks": results, "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+
+
+def sweep(args) -> None:
+    """Every size x layout of --sweep, each in its own processes, one JSON line each in --output."""
+    import subprocess
+
+    passed = [a for a in sys.argv[1:] if a not in args.sweep and a not in ("--sweep",)]
+    for size in args.sweep:
+        hidden, layers, heads, inter = SIZES[size]
+        for name in args.layouts:
+            cmd = [sys.executable, __file__, *passed, "--hidden", str(hidden), "--layers", str(layers), "--heads",
+                   str(heads), "--inter", str(inter), *LAYOUTS[name]]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else None
+            result = json.loads(line) if line else {"error": proc.stderr.strip().splitlines()[-3:]}
+            result.update(size=size, layout=name)
+            print(json.dumps(result), flush=True)
+            if args.output:
+                with open(args.output, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("hidden", 768), ("layers", 8), ("heads", 12), ("inter", 3072), ("ranks", 2), ("zero", 2),
+                          ("prompts", 4), ("group", 2), ("prompt-len", 16), ("completion", 32), ("budget", 4096),
+                          ("steps", 2), ("threads", 1)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
+    parser.add_argument("--lora", type=int, default=0, help="learner.lora.rank (0: full fine-tuning)")
+    parser.add_argument("--malloc", action="store_true", help=f"the ranks run with {MALLOC}")
+    parser.add_argument("--sweep", nargs="*", choices=list(SIZES), default=[],
+                        help="run each of these sizes in each --layouts (other flags apply to every run)")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--output", help="--sweep: append each run's JSON line to this file")
+    parser.add_argument("--cache", default="~/.cache/grpo/models")
+    args = parser.parse_args()
+    if args.sweep:
+        sweep(args)
+    else:
+        print(json.dumps(run_once(args)), flush=True)
 
 
 if __name__ == "__main__":

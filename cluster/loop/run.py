@@ -31,6 +31,7 @@ from common.config import Config
 from common.messages import ResolvedInputs
 from common.ray_utils import init_ray
 from data.datasets import PromptSampler
+from learner import memory_plan
 
 
 @dataclass
@@ -77,6 +78,10 @@ class Run:
         threads = plan_threads(cfg, node_cpus())
         if threads:
             self.say(threads.line)
+        memory = memory_plan.start_line(self.inputs.model_path, cfg.learner, cfg.algo.beta,
+                                        on_gpu=cfg.learner.num_gpus_per_rank > 0)
+        if memory:
+            self.say(memory)
         self.cfg = cfg = run_config(cfg, self.inputs, run_name(cfg), threads)
         self.run_dir = make_run_dir(cfg)
         show_prompt(self.run_dir, self.inputs.prompts, self.started)
