@@ -3,9 +3,10 @@
 The ranks run as plain processes (no Ray, no engine: learner/actor.py's LearnerRank needs
 neither), on a built-in Qwen2-shaped model of the size given, on random prompt groups of a fixed
 shape. Each rank reports, as JSON lines on stdout:
-- `learner_peak_memory_mb`: the step's metric, the process's peak RSS since it started (model
-  load, engines, the frozen reference and the step);
-- `baseline_mb`: its RSS after the imports, before any model (what the model adds is above it);
+- `learner_peak_memory_mb`: the step's metric, the process's peak RSS during the step (VmHWM
+  reset at its start): everything resident plus the step's working memory;
+- `baseline_mb`: its RSS after the imports (torch, DeepSpeed, transformers, peft), before any
+  model (what the model adds is above it);
 - `step_rise_mb`: how far the peak rose above the RSS just before the measured step (the
   kernel's peak, VmHWM, reset first), the step's own working memory: activations, logits,
   gradients, optimizer state first touched;
@@ -17,8 +18,11 @@ shape. Each rank reports, as JSON lines on stdout:
 
 `step_rise_mb` and `step_s` are the last step's; the first allocates the optimizer's state.
 `--lora 16` trains rank-16 adapters on every linear projection (the `zero3+lora` layout with
-`--zero 3`); `tensor_mb` (parameters, the trained ones' gradients, optimizer state) and
-`push_mb` against `full_push_mb` say what LoRA saves.
+`--zero 3`); `tensor_mb` (parameters, the trained ones' gradients, optimizer state, reference)
+and `push_mb` against `full_push_mb` say what LoRA saves. `formula` is learner/memory_plan.py's
+estimate of the same parts. `--sweep 25M 100M ...` runs each size in each layout (`--layouts`),
+one JSON line per run (appended to `--output`); `--malloc` runs the ranks with a fixed glibc
+mmap threshold.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import multiprocessing as mp
 import random
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,7 +62,14 @@ def _groups(args, rank: int):
 
 
 def _rank(rank: int, port: int, path: str, args, out) -> None:
-    import torch  # noqa: F401  (the imports are part of the baseline, not of the model)
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # as the rank sets it before its own import
+    # The libraries the rank loads are part of the baseline, not of the model.
+    import deepspeed  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    from transformers import Qwen2ForCausalLM  # noqa: F401
 
     from common.config import AlgoConfig, LearnerConfig, LoraConfig
     from learner.actor import LearnerRank
@@ -102,7 +114,10 @@ def _tensors(learner) -> dict:
 
     policy = learner.policy
     params = list(policy.module.parameters())
+    # ZeRO-2 keeps 1/R of each gradient (ZeRO-3's partitions are 1/R already).
+    shards = policy.cfg.num_ranks if policy.cfg.zero_stage == 2 else 1
     trained = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * 4 for p in params if p.requires_grad)
+    trained /= shards
     inner = getattr(policy.optimizer, "optimizer", policy.optimizer)
     own = {(p.ds_tensor if hasattr(p, "ds_tensor") else p).untyped_storage().data_ptr() for p in params}
     master = [t for g in inner.param_groups for t in g["params"] if t.untyped_storage().data_ptr() not in own]
@@ -169,7 +184,7 @@ def run_once(args) -> dict:
     for p in procs:
         p.join()
     config = json.loads((Path(path) / "config.json").read_text())
-    setting = {k: v for k, v in vars(args).items() if k not in ("cache", "sweep", "output")}
+    setting = {k: v for k, v in vars(args).items() if k not in ("cache", "sweep", "output", "table", "layouts")}
     return {"setting": setting, "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers",
                                                                   "intermediate_size", "vocab_size")},
             "formula": _formula(path, args), "ranks": results, "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
@@ -195,6 +210,70 @@ def sweep(args) -> None:
                     f.write(json.dumps(result) + "\n")
 
 
+def table(path: str) -> str:
+    """The markdown table of a --sweep's JSON lines: per run the mean over its ranks."""
+    head = ("| size | layout | completion tokens | peak per rank MB | above baseline MB | formula: state + activations MB "
+            "| above / formula | tensors counted MB | formula state MB | step rise MB | step s | push MB | load |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = [head]
+    for line in Path(path).read_text().splitlines():
+        run = json.loads(line)
+        if "error" in run:
+            rows.append(f"| {run['size']} | {run['layout']} | failed: {' '.join(run['error'])[-200:]} |")
+            continue
+        f, ranks = run["formula"], run["ranks"]
+
+        def mean(key, ranks=ranks):
+            return sum(r[key] for r in ranks) / len(ranks)
+        above = mean("learner_peak_memory_mb") - mean("baseline_mb")
+        paper = f["total_mb"] + f["activations_mb"]
+        layout = run["layout"] + (" (malloc)" if run["setting"].get("malloc") else "")
+        rows.append(f"| {run['size']} ({f['params'] / 1e6:.1f} M) | {layout} | {run['setting']['completion']} "
+                    f"| {mean('learner_peak_memory_mb'):,.0f} | {above:,.0f} | {f['total_mb']:,.0f} + "
+                    f"{f['activations_mb']:,.0f} | {above / paper:.2f} | {mean('tensor_mb'):,.0f} | {f['total_mb']:,.0f} "
+                    f"| {mean('step_rise_mb'):,.0f} | {mean('step_s'):.1f} | {mean('push_mb'):,.1f} "
+                    f"of {mean('full_push_mb'):,.1f} | {run['loadavg'][0]} |")
+    return "\n".join(rows)
+
+
+def job(overrides) -> dict:
+    """A real `grpo train` with these overrides, its whole process tree's memory (the sum of
+    each process's PSS, shared pages split between their sharers) sampled every 0.5 s: the
+    peak, by process name at that moment, and the run's start-of-run estimate line."""
+    import subprocess
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "cluster.train", *overrides]
+    start, peak, parts = time.time(), 0.0, {}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        now = {}
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in tree:
+            try:
+                name = " ".join(p.cmdline()[:2])[-60:]
+                now[f"{p.pid} {name}"] = p.memory_full_info().pss / 2**20
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        if sum(now.values()) > peak:
+            peak, parts = sum(now.values()), now
+        time.sleep(0.5)
+    reader.join(timeout=10)
+    estimate = [ln.strip() for ln in lines if "learner memory per rank" in ln]
+    return {"overrides": overrides, "rc": proc.returncode, "wall_s": round(time.time() - start, 1),
+            "peak_pss_mb": round(peak), "at_peak_mb": {k: round(v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+                                                      if v > 50},
+            "estimate": estimate, "tail": [ln.rstrip() for ln in lines[-8:]],
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 768), ("layers", 8), ("heads", 12), ("inter", 3072), ("ranks", 2), ("zero", 2),
@@ -208,9 +287,16 @@ def main() -> None:
                         help="run each of these sizes in each --layouts (other flags apply to every run)")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--output", help="--sweep: append each run's JSON line to this file")
+    parser.add_argument("--job", nargs=argparse.REMAINDER,
+                        help="run `grpo train` with the overrides that follow and report its processes' peak memory")
+    parser.add_argument("--table", help="print the markdown table of this --output file, run nothing")
     parser.add_argument("--cache", default="~/.cache/grpo/models")
     args = parser.parse_args()
-    if args.sweep:
+    if args.job is not None:
+        print(json.dumps(job(args.job)), flush=True)
+    elif args.table:
+        print(table(args.table))
+    elif args.sweep:
         sweep(args)
     else:
         print(json.dumps(run_once(args)), flush=True)
