@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -207,8 +207,6 @@ LAYOUTS = {
 def plan_rows(shape: ModelShape, gpus: int, gpu_gb: float, tokens: int, dtype_bytes: int = 2):
     """For each layout: (name, RankBytes, activation bytes of a `tokens` micro-batch, GB left
     on each GPU after both, the largest micro-batch in tokens that fits)."""
-    from dataclasses import replace
-
     rows = []
     for name, layout in LAYOUTS.items():
         layout = replace(layout, ranks=gpus, dtype_bytes=dtype_bytes)
