@@ -33,6 +33,11 @@ COMMON = ["data=mul_agent", "trainer.progress=false", "logger=none", "trainer.ev
           "trainer.max_restarts=0"]
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (other jobs on the machine change every figure)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def train(out: Path, name: str, *overrides: str) -> Path:
     subprocess.run([GRPO, "train", *COMMON, f"trainer.output_dir={out}", f"trainer.run_name={name}", *overrides],
                    check=True)
@@ -63,18 +68,19 @@ def main() -> None:
     out = Path(args.output_dir) / f"agent-throughput-{time.strftime('%Y%m%d-%H%M%S')}"
     warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
     model = ["model=hf", f"model.path={warm / 'final_model'}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
-    results = {
-        "agent": rates(train(out, "agent", *model, *args.overrides)),
-        "loop": rates(train(out, "loop", *model, "rollout.agent=null", "rollout.tools=[calculator]",
-                            "rollout.tool_format=hermes", *args.overrides)),
-    }
+    results = {}
+    for name, extra in (("agent", []), ("loop", ["rollout.agent=null", "rollout.tools=[calculator]",
+                                                  "rollout.tool_format=hermes"])):
+        before = load_average()
+        results[name] = rates(train(out, name, *model, *extra, *args.overrides))
+        results[name]["load_average"] = f"{before} -> {load_average()}"
     results["ratio"] = results["agent"]["tokens_per_s"] / results["loop"]["tokens_per_s"]
     lines = ["| | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
-             "per episode |", "| --- | --- | --- | --- | --- |"]
+             "per episode | load average (before -> after) |", "| --- | --- | --- | --- | --- | --- |"]
     for name in ("agent", "loop"):
         r = results[name]
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} | {r['sampled_tokens_per_step']:.0f} "
-                     f"| {r['turns_mean']:.2f} |")
+                     f"| {r['turns_mean']:.2f} | {r['load_average']} |")
     print("\n".join(lines))
     print(f"agent / loop: {results['ratio']:.2f}")
     if args.output:
