@@ -7,7 +7,8 @@ whose supervised warm-up teaches the model the calculator's call (its final_mode
 model of both measured runs, so both start from the same weights and make real calls), then,
 from that model with no warm-up, `--steps` GRPO steps each of
 
-- `agent`: every sample an episode of examples/calculator_agent.py, which talks to its
+- `agent`: every sample an episode of examples/calculator_agent.py (offering the loop's own
+  schema of the calculator: same_schema_agent), which talks to its
   session of a generation worker's OpenAI-compatible endpoint with the `openai` client;
 - `loop`: the built-in episode loop doing the same calls in the same format
   (`rollout.tool_format=hermes`, the calculator as a tool in the chat template's tools section).
@@ -57,6 +58,18 @@ def rates(run_dir: Path) -> dict:
             "generate_s": statistics.median(r["time_generate"] for r in steady), "steps": len(steady)}
 
 
+def same_schema_agent(client, row, index):
+    """examples/calculator_agent.py offering the calculator with the episode loop's own schema
+    (common/tool_formats.py), so that both runs' prompts render the same tools section and the
+    model makes the same kind of calls in both (with the example's own description it called in
+    0.7-0.8 of its episodes through the endpoint, and in the loop far fewer)."""
+    from common.tool_formats import tool_schemas
+    from examples import calculator_agent
+
+    calculator_agent.TOOLS = tool_schemas(["calculator"], {})
+    return calculator_agent.run(client, row, index)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
@@ -69,7 +82,7 @@ def main() -> None:
     warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
     model = ["model=hf", f"model.path={warm / 'final_model'}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
     results = {}
-    for name, extra in (("agent", []), ("loop", ["rollout.agent=null", "rollout.tools=[calculator]",
+    for name, extra in (("agent", ["rollout.agent=bench.agent_throughput:same_schema_agent"]), ("loop", ["rollout.agent=null", "rollout.tools=[calculator]",
                                                   "rollout.tool_format=hermes"])):
         before = load_average()
         results[name] = rates(train(out, name, *model, *extra, *args.overrides))
