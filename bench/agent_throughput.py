@@ -61,8 +61,8 @@ def rates(run_dir: Path) -> dict:
 def same_schema_agent(client, row, index):
     """examples/calculator_agent.py offering the calculator with the episode loop's own schema
     (common/tool_formats.py), so that both runs' prompts render the same tools section and the
-    model makes the same kind of calls in both (with the example's own description it called in
-    0.7-0.8 of its episodes through the endpoint, and in the loop far fewer)."""
+    model makes the same kind of calls in both (bench/results/agent_throughput.md: with the
+    example's own description the two runs' calls per episode differed)."""
     from common.tool_formats import tool_schemas
     from examples import calculator_agent
 
