@@ -7,7 +7,8 @@ whose supervised warm-up teaches the model the calculator's call (its final_mode
 model of both measured runs, so both start from the same weights and make real calls), then,
 from that model with no warm-up, `--steps` GRPO steps each of
 
-- `agent`: every sample an episode of examples/calculator_agent.py, which talks to its
+- `agent`: every sample an episode of examples/calculator_agent.py (offering the loop's own
+  schema of the calculator: same_schema_agent), which talks to its
   session of a generation worker's OpenAI-compatible endpoint with the `openai` client;
 - `loop`: the built-in episode loop doing the same calls in the same format
   (`rollout.tool_format=hermes`, the calculator as a tool in the chat template's tools section).
@@ -33,6 +34,11 @@ COMMON = ["data=mul_agent", "trainer.progress=false", "logger=none", "trainer.ev
           "trainer.max_restarts=0"]
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (other jobs on the machine change every figure)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def train(out: Path, name: str, *overrides: str) -> Path:
     subprocess.run([GRPO, "train", *COMMON, f"trainer.output_dir={out}", f"trainer.run_name={name}", *overrides],
                    check=True)
@@ -52,6 +58,18 @@ def rates(run_dir: Path) -> dict:
             "generate_s": statistics.median(r["time_generate"] for r in steady), "steps": len(steady)}
 
 
+def same_schema_agent(client, row, index):
+    """examples/calculator_agent.py offering the calculator with the episode loop's own schema
+    (common/tool_formats.py), so that both runs' prompts render the same tools section and the
+    model makes the same kind of calls in both (bench/results/agent_throughput.md: with the
+    example's own description the two runs' calls per episode differed)."""
+    from common.tool_formats import tool_schemas
+    from examples import calculator_agent
+
+    calculator_agent.TOOLS = tool_schemas(["calculator"], {})
+    return calculator_agent.run(client, row, index)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
@@ -63,18 +81,19 @@ def main() -> None:
     out = Path(args.output_dir) / f"agent-throughput-{time.strftime('%Y%m%d-%H%M%S')}"
     warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
     model = ["model=hf", f"model.path={warm / 'final_model'}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
-    results = {
-        "agent": rates(train(out, "agent", *model, *args.overrides)),
-        "loop": rates(train(out, "loop", *model, "rollout.agent=null", "rollout.tools=[calculator]",
-                            "rollout.tool_format=hermes", *args.overrides)),
-    }
+    results = {}
+    for name, extra in (("agent", ["rollout.agent=bench.agent_throughput:same_schema_agent"]), ("loop", ["rollout.agent=null", "rollout.tools=[calculator]",
+                                                  "rollout.tool_format=hermes"])):
+        before = load_average()
+        results[name] = rates(train(out, name, *model, *extra, *args.overrides))
+        results[name]["load_average"] = f"{before} -> {load_average()}"
     results["ratio"] = results["agent"]["tokens_per_s"] / results["loop"]["tokens_per_s"]
     lines = ["| | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
-             "per episode |", "| --- | --- | --- | --- | --- |"]
+             "per episode | load average (before -> after) |", "| --- | --- | --- | --- | --- | --- |"]
     for name in ("agent", "loop"):
         r = results[name]
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} | {r['sampled_tokens_per_step']:.0f} "
-                     f"| {r['turns_mean']:.2f} |")
+                     f"| {r['turns_mean']:.2f} | {r['load_average']} |")
     print("\n".join(lines))
     print(f"agent / loop: {results['ratio']:.2f}")
     if args.output:

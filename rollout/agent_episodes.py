@@ -38,8 +38,11 @@ def run_agents(worker, requests: Sequence[GenerationRequest], n: int, greedy: bo
               for k, request in enumerate(requests)]
     stats: Dict[str, float] = {
         "completions": float(len(sessions)),
-        "completion_tokens": float(sum(sum(s.mask) for s in sessions)),
+        # As the built-in episode loop counts them: sampled and observation tokens together.
+        "completion_tokens": float(sum(len(s.ids) for s in sessions)),
+        "observation_tokens": float(sum(s.observation_tokens for s in sessions)),
         "turns": float(sum(s.turns for s in sessions)),
+        "tool_calls": float(sum(s.tool_calls for s in sessions)),
         "agent_errors": float(sum(r.error is not None and not r.timed_out for r in results)),
         "agent_timeouts": float(sum(r.timed_out for r in results)),
         "template_drift": float(sum(s.drift_turns for s in sessions)),

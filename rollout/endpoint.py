@@ -200,9 +200,11 @@ class AgentEndpoint:
         async with lock:  # one turn of a session at a time: the chain is a sequence
             turn = plan_turn(session, messages, tools, request.n or 1, self._render)
             outputs = await self._sample(session, turn, request)
+            response = self._chat_response(request, tools, turn, outputs)
             if turn.trained:
                 self._record(session, turn, messages, outputs[0])
-        return self._chat_response(request, tools, turn, outputs)
+                session.tool_calls += len(response["choices"][0]["message"].get("tool_calls") or [])
+        return response
 
     async def _completions(self, session: Session, body: dict) -> dict:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest

@@ -4,7 +4,7 @@ One session is one trajectory of an agent's episode. Its first request is render
 template; every later request that continues the chain (the previous messages, then the reply
 the server gave, then new messages) becomes the stored ids (the rendered prompt, every sampled
 turn exactly as sampled, every observation) plus the rendering of only the new messages. The
-template's own rendering of the history is computed too, and where it differs from the stored
+template's own rendering of the conversation is computed too, and where it differs from the stored
 ids (a template that is not append-only: one that drops earlier reasoning, loses a separator, or
 re-renders an assistant turn) the stored ids win and the drift is counted, with its first
 differing turn kept for the run folder.
@@ -53,6 +53,8 @@ class Session:
     """The text of each sampled turn (the model's side of the transcript)."""
     transcript: List[str] = field(default_factory=list)
     turns: int = 0
+    tool_calls: int = 0
+    """Tool calls parsed from the sampled turns (the `tool_calls` of the replies)."""
     off_chain: int = 0
     drift: Optional[Drift] = None
     drift_turns: int = 0
@@ -62,6 +64,11 @@ class Session:
     @property
     def room(self) -> int:
         return self.max_tokens - len(self.ids)
+
+    @property
+    def observation_tokens(self) -> int:
+        """What the template and the agent's messages put between sampled turns (mask 0)."""
+        return len(self.ids) - sum(self.mask)
 
 
 @dataclass(frozen=True)
@@ -97,11 +104,15 @@ def plan_turn(session: Session, messages: List[dict], tools: Optional[list], n: 
         return Turn(render(messages, tools, True), trained=False)
     stored = session.prompt_ids + session.ids
     rendered_history = render(messages[:k + 1], tools, False)
-    gap = _gap_after_turn(stored, rendered_history, session)
     full = render(messages, tools, True)
+    if rendered_history[:len(stored)] != stored:  # the history alone renders otherwise
+        _drift(session, stored, rendered_history)
+    elif full[:len(stored)] != stored:  # the new messages change how the history renders
+        _drift(session, stored, full)
+    gap = _gap_after_turn(stored, rendered_history)
     if full[:len(rendered_history)] == rendered_history:
         new = full[len(rendered_history):]
-    else:  # the new messages change how the history renders: render them after a neutral probe
+    else:  # render the new messages after a neutral probe instead
         probe = messages[:1]
         base = render(probe, tools, False)
         alone = render(probe + messages[k + 1:], tools, True)
@@ -110,16 +121,21 @@ def plan_turn(session: Session, messages: List[dict], tools: Optional[list], n: 
     return Turn(stored + extension, trained=True, extension=extension)
 
 
-def _gap_after_turn(stored: List[int], rendered: List[int], session: Session) -> List[int]:
-    """What the template writes after the last sampled token (a separator such as `\\n`), taken
-    from its rendering of the history; a rendering that differs from the stored ids is drift."""
-    if rendered[:len(stored)] == stored:
-        return rendered[len(stored):]
+def _drift(session: Session, stored: List[int], rendered: List[int]) -> None:
+    """Count a turn whose rendering by the template is not the stored ids; keep the first."""
     session.drift_turns += 1
     if session.drift is None:
         position = next((i for i, (a, b) in enumerate(zip(stored, rendered)) if a != b), min(len(stored), len(rendered)))
         session.drift = Drift(turn=session.turns, position=position, stored=stored[position:position + 64],
                               rendered=rendered[position:position + 64])
+
+
+def _gap_after_turn(stored: List[int], rendered: List[int]) -> List[int]:
+    """What the template writes after the last sampled token (a separator such as `\\n`), taken
+    from its rendering of the history (where that differs from the stored ids: after the last
+    occurrence of the last stored token near its end)."""
+    if rendered[:len(stored)] == stored:
+        return rendered[len(stored):]
     last = stored[-1] if stored else None
     ends = [i for i in range(len(rendered) - 1, max(len(rendered) - 16, -1), -1) if rendered[i] == last]
     return rendered[ends[0] + 1:] if ends else []

@@ -5,7 +5,9 @@ checkpoint or any Hugging Face folder) on the configured evaluation set without 
 greedy accuracy and, with eval.n > 0, pass@k and maj@k over eval.n samples per prompt at
 eval.temperature. It writes `eval.jsonl` (one row per prompt: its samples, their extracted
 answers and correctness, its pass@k/maj@k) and `eval_summary.json` into the run folder and
-prints the table.
+prints the table. With rollout.agent (e.g. `data=mul_agent`) each sample is an episode of the
+agent through the generation workers' endpoint, scored on the answer it returns, and the
+summary counts the agent's requests, failures and tool calls.
 """
 from __future__ import annotations
 
@@ -35,24 +37,33 @@ def score_key(verifiers: Sequence[str]) -> str:
     return "math" if "math" in verifiers else verifiers[0]
 
 
-def _scored_groups(rollout, verifiers, problems, n: int, greedy: bool, temperature=None) -> list:
+AGENT_COUNTS = ("agent_requests", "agent_errors", "agent_timeouts", "tool_calls", "template_drift")
+"""What an evaluation with an agent (rollout.agent) counts, as `eval/<name>`: a failed episode
+scores 0, and these say how many there were."""
 
+
+def _scored_groups(rollout, verifiers, problems, n: int, greedy: bool, counts: Dict[str, float],
+                   temperature=None) -> list:
     requests = generation_requests(list(enumerate(problems)), EVAL_SEED)
     generated = rollout.generate(requests, n, greedy=greedy, temperature=temperature)
+    for name in counts:
+        counts[name] += generated.stats.get(name, 0.0)
     scored, _ = verifiers.score(generated.refs)
     return ray.get(scored)
 
 
 def evaluate_full(rollout, verifiers, problems, cfg: Config) -> Tuple[Dict[str, float], List[dict]]:
-    """Metrics over `problems` (keys `eval/...`) and one record per prompt."""
+    """Metrics over `problems` (keys `eval/...`) and one record per prompt. With rollout.agent
+    every sample is an episode of the agent through the workers' endpoint, scored on its answer."""
     key = score_key(cfg.reward.verifiers)
-    greedy = _scored_groups(rollout, verifiers, problems, 1, greedy=True)
+    counts = {name: 0.0 for name in (AGENT_COUNTS if cfg.rollout.agent is not None else ())}
+    greedy = _scored_groups(rollout, verifiers, problems, 1, greedy=True, counts=counts)
     records = [{"index": g.index, "prompt": g.prompt, "answer": g.answer, "greedy": g.completions[0],
                 "greedy_score": g.scores[key][0]} for g in greedy]
     metrics = {"eval/greedy": sum(r["greedy_score"] for r in records) / max(len(records), 1)}
     if cfg.eval.n:
         ks = default_ks(cfg.eval.n, cfg.eval.k)
-        sampled = _scored_groups(rollout, verifiers, problems, cfg.eval.n, greedy=False,
+        sampled = _scored_groups(rollout, verifiers, problems, cfg.eval.n, greedy=False, counts=counts,
                                  temperature=cfg.eval.temperature)
         per_prompt = []
         for record, group in zip(records, sampled):
@@ -69,6 +80,7 @@ def evaluate_full(rollout, verifiers, problems, cfg: Config) -> Tuple[Dict[str, 
             per_prompt.append({**stats, "mean_length": sum(lengths) / len(lengths),
                                "truncated_fraction": sum(truncated) / len(truncated)})
         metrics.update({f"eval/{k}": v for k, v in mean_metrics(per_prompt).items()})
+    metrics.update({f"eval/{name}": value for name, value in counts.items()})
     return metrics, records
 
 

@@ -16,6 +16,58 @@ import pytest
 
 from helpers import EngineTap, seeded
 
+SPEC = [{"type": "function", "function": {"name": "calc", "description": "integer arithmetic", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALL = {"name": "calc", "arguments": {"expression": "12+34"}}
+TOOL_PROMPT = "12+34="
+
+
+def calling_model(model_cfg, folder) -> tuple:
+    """The built-in model for agents (its chat template speaks Qwen2.5's tool-calling format),
+    taught by 150 supervised steps (seconds) to answer TOOL_PROMPT with SPEC's tools by a call,
+    and the call's result by the answer: a model that emits a tool call, which a randomly
+    initialised one never does. Returns its folder and the conversation it was taught, as the
+    template renders it: the first prompt's ids, the call's turn, the second prompt (the first,
+    the call, the tool's result), the whole episode."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from data.tiny_model import TURN_END, build_tiny_model
+
+    base = build_tiny_model(replace(model_cfg, max_position_embeddings=512), chat_tools=True)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    render = lambda messages, generation: list(tokenizer.apply_chat_template(  # noqa: E731
+        messages, tools=SPEC, tokenize=True, add_generation_prompt=generation, return_dict=False))
+    user = [{"role": "user", "content": TOOL_PROMPT}]
+    called = user + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]}]
+    answered = called + [{"role": "tool", "content": "46"}]
+    first, call = render(user, True), render(called, False)
+    second = render(answered, True)
+    end = tokenizer.convert_tokens_to_ids(TURN_END)  # the model's turn ends there: what it samples last
+    call_turn = call[len(first):call.index(end, len(first)) + 1]
+    episode = second + tokenizer("46", add_special_tokens=False)["input_ids"] + [end]
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    examples = [(first + call_turn, len(first)), (episode, len(second))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small: more threads only contend, on a busy machine most
+    for _ in range(150):
+        loss = 0.0
+        for ids, start in examples:
+            x = torch.tensor([ids])
+            labels = x.clone()
+            labels[0, :start] = -100
+            loss = loss + model(input_ids=x, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder), first, call_turn, second, episode
+
+
 AGENTS = textwrap.dedent('''
     import json, time, urllib.request
 
@@ -35,17 +87,20 @@ AGENTS = textwrap.dedent('''
         assert len(side.choices) == 2
         return reply.choices[0].message.content
 
+    SPEC = %s
+
     def tools(client, row, index):
-        """A function tool: read tool_calls, send the result back as a tool message."""
-        spec = [{"type": "function", "function": {"name": "c", "parameters": {"type": "object", "properties": {}}}}]
+        """A function tool: read tool_calls, run them, send each result back as a tool message."""
         messages = [{"role": "user", "content": row["prompt"]}]
-        first = client.chat.completions.create(model="m", messages=messages, tools=spec, max_tokens=60)
+        first = client.chat.completions.create(model="m", messages=messages, tools=SPEC, max_tokens=60)
         message = first.choices[0].message
         calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
                  for c in message.tool_calls or []]
         messages += [{"role": "assistant", "content": message.content, "tool_calls": calls}]
-        messages += [{"role": "tool", "tool_call_id": c["id"], "content": "12"} for c in calls]
-        second = client.chat.completions.create(model="m", messages=messages, tools=spec, max_tokens=8)
+        results = [str(sum(int(x) for x in json.loads(c["function"]["arguments"])["expression"].split("+")))
+                   for c in calls]
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(calls, results)]
+        second = client.chat.completions.create(model="m", messages=messages, tools=SPEC, max_tokens=8)
         return json.dumps({"finish": first.choices[0].finish_reason, "calls": [c["function"] for c in calls],
                            "final": second.choices[0].message.content})
 
@@ -86,11 +141,18 @@ AGENTS = textwrap.dedent('''
                                               max_tokens=1_000_000)
         codes["huge_tokens"] = len(huge.choices[0].message.content) >= 0
         return json.dumps(codes)
-''')
+''' % repr(SPEC))
 
 
 @pytest.fixture(scope="module")
-def worker(system_cfg, tmp_path_factory):
+def taught(system_cfg, tmp_path_factory):
+    return calling_model(system_cfg.model, tmp_path_factory.mktemp("calling") / "model")
+
+
+@pytest.fixture(scope="module")
+def worker(system_cfg, taught, tmp_path_factory):
+    """One engine for the module, serving the model that calls tools (the other agents' sessions
+    need no particular model: they check what was sampled, whatever it is)."""
     from rollout.worker import GenerationWorker
 
     folder = tmp_path_factory.mktemp("agents")
@@ -98,10 +160,11 @@ def worker(system_cfg, tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(folder)
     try:
+        # Room for the tools section (each byte a token) and a call's turn.
         cfg = replace(system_cfg.rollout, agent="test_agents_plugin:chat", agent_concurrency=4, agent_timeout_s=20.0,
-                      max_new_tokens=8, max_turns=3, max_model_len=128, kv_cache_gib=0.25, enforce_eager=True,
+                      max_new_tokens=64, max_turns=3, max_model_len=512, kv_cache_gib=0.25, enforce_eager=True,
                       dtype="float32", endpoint_max_request_kb=1024)
-        worker = GenerationWorker(system_cfg.model.path, cfg, seed=0)
+        worker = GenerationWorker(taught[0], cfg, seed=0)
     finally:
         os.chdir(cwd)
     tap = EngineTap(worker.llm.llm_engine)
@@ -157,20 +220,25 @@ def test_trained_ids_are_exactly_the_sampled_ids_of_every_turn(worker):
             assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m)
 
 
-def test_a_template_that_is_not_append_only_is_detected_and_the_stored_ids_win(worker):
+def test_a_template_that_is_not_append_only_is_detected_and_the_stored_ids_win(worker, taught):
+    from transformers import AutoTokenizer
+
     worker, tap = worker
     use_agent(worker, "chat")
-    tokenizer = worker.tokenizer
-    original = tokenizer.chat_template
+    # vLLM's tokenizer renders with deep copies of itself (a thread-safe pool), which a template
+    # set on it never reaches: the endpoint renders with a tokenizer of the same folder instead.
+    tokenizer = AutoTokenizer.from_pretrained(taught[0])
     # Drops earlier assistant turns' text, as templates that strip past reasoning do.
-    tokenizer.chat_template = original.replace(
+    tokenizer.chat_template = tokenizer.chat_template.replace(
         "message['content']", "(('[past]' if message['role'] == 'assistant' and not loop.last else message['content']))")
+    served = worker.endpoint.tokenizer
+    worker.endpoint.tokenizer = tokenizer
     try:
         before = set(tap.prompts)
         *groups, report = worker.generate(*seeded([(0, "12+34=", "46", {})], [5]), n=2, greedy=False)
         stats = report.stats
     finally:
-        tokenizer.chat_template = original
+        worker.endpoint.tokenizer = served
     assert stats["template_drift"] == 2
     assert report.records["first_drift"]["turn"] == 1
     requests = chains(tap, before)
@@ -188,6 +256,46 @@ def test_async_agents_and_side_calls_are_served_but_not_trained(worker):
     assert stats["agent_errors"] == 0
     assert stats["off_chain_calls"] == 3 and stats["turns"] == 3
     assert all(sum(m) == len(ids) for ids, m in zip(groups[0].completion_ids, groups[0].loss_masks))
+
+
+def test_a_tool_call_round_trips_and_its_result_is_an_observation_of_the_session(worker, taught):
+    """The model calls the tool; the reply carries it parsed (`tool_calls`, JSON arguments); the
+    agent sends the result back as a `role: tool` message, and the next turn continues the
+    session's stored ids with the template's rendering of that message, masked out of the loss."""
+    import json
+
+    worker, tap = worker
+    _, first, call_turn, second, episode = taught
+    use_agent(worker, "tools")
+    before = set(tap.prompts)
+    *groups, report = worker.generate(*seeded([(0, TOOL_PROMPT, "46", {})], [2]), n=2, greedy=True)
+    stats = report.stats
+    assert stats["agent_errors"] == 0 and stats["agent_timeouts"] == 0, report.records.get("first_agent_error")
+    for completion in groups[0].completions:
+        reply = json.loads(completion)
+        assert reply["finish"] == "tool_calls"
+        assert [c["name"] for c in reply["calls"]] == [CALL["name"]]
+        assert json.loads(reply["calls"][0]["arguments"]) == CALL["arguments"]
+        assert reply["final"] == "46"
+    assert stats["turns"] == 4 and stats["tool_calls"] == 2
+    assert stats["off_chain_calls"] == 0 and stats["template_drift"] == 0
+    # The second turn's request is the stored ids (the prompt, the call as sampled) and the
+    # template's rendering of the tool message only.
+    requests = chains(tap, before)
+    assert sorted(p for p, _ in requests) == sorted([first, first, second, second])
+    assert all(s[0] == (call_turn if p == first else episode[len(second):]) for p, s in requests)
+    observation = second[len(first) + len(call_turn):]
+    assert "<tool_response>\n46\n</tool_response>" in worker.tokenizer.decode(observation)
+    group = groups[0]
+    assert group.prompt_ids == first
+    answer = len(episode) - len(second)
+    for ids, mask in zip(group.completion_ids, group.loss_masks):
+        # The learner's sequence: the call as sampled, the tool's result (mask 0: no loss on
+        # what the model did not write), the answer as sampled.
+        assert first + ids == episode
+        assert mask == [1] * len(call_turn) + [0] * len(observation) + [1] * answer
+    assert stats["observation_tokens"] == 2 * len(observation)
+    assert stats["completion_tokens"] == 2 * len(episode[len(first):])
 
 
 def test_hostile_agents_end_only_their_own_episode(worker):
