@@ -4,9 +4,9 @@ the adapters), and held-out greedy accuracy must rise by more than its sampling 
 run's final model is its last checkpoint's `grpo export --merged`, and the checkpoint's adapter
 folder is the final model's.
 
-Settings (measured with bench/default_run.py, docs/learner.md "LoRA"): STEPS steps of the
-default batch (64 prompts x 8) at learner.lr=LR gained GAINS on 400 held-out problems, where
-`learned` asks for about 8 points.
+Settings (bench/default_run.py with these overrides, docs/learner.md "LoRA"): 20 steps of the
+default batch (64 prompts x 8) at the default learner.lr gained 18.5, 14.2 and 17.5 points for
+seeds 0-2 on 400 held-out problems, where `learned` asks for about 8.
 """
 from __future__ import annotations
 
