@@ -276,7 +276,26 @@ def lora_engine(base, cfg: LearnerConfig, config: dict):
     optimizer = OPTIMIZERS[cfg.optimizer](trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=zero3_bounds(model, config))
+    _saves_no_frozen_alias(engine)
     return engine, optimizer
+
+
+def _saves_no_frozen_alias(engine) -> None:
+    """Make `save_checkpoint(exclude_frozen_parameters=True)` drop every frozen tensor. DeepSpeed
+    drops the frozen parameters by their `named_parameters()` names, which name a tied weight
+    once: a tied output head stayed in the adapters-only file as a second copy of the embedding
+    (vocabulary x hidden numbers; the base is saved apart, in `base.pt`)."""
+    whole = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        state = whole(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for name, param in engine.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    engine.module_state_dict = module_state_dict
 
 
 def fresh_base(model_config, dtype, checkpointed: bool):

@@ -56,6 +56,15 @@ def varied_groups(vocab: int, group_size: int, num_groups: int = 4):
             rewards=[float(rng.random() < 0.5) + 0.1 * rng.random() for _ in range(group_size)]))
     return groups
 
+
+def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
+    """Did accuracy on n problems rise by more than z standard errors of the difference of two
+    proportions? A machine-independent learning check: where the warm-up lands differs
+    between CPUs (61.0% on one machine, 63.5% on another), the gain GRPO makes is what counts."""
+    se = ((before * (1 - before) + after * (1 - after)) / n) ** 0.5
+    return after - before > z * max(se, 1 / n)
+
+
 PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
 
 

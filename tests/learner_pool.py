@@ -79,14 +79,17 @@ def reference_state(rank) -> dict:
 
 
 def trained_numel(rank) -> dict:
-    """Elements with optimizer state on this rank, and every parameter's."""
+    """Elements with optimizer state on this rank (under ZeRO-3 its partitions), and the full
+    trainable and every parameter's."""
     import torch
 
     optimizer, module = rank.policy.optimizer, rank.policy.module
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # ZeRO-3 empties its inner optimizer's groups between steps; its flat fp32 partitions stay.
+    params = getattr(optimizer, "fp32_partitioned_groups_flat", None) or [
+        p for g in optimizer.param_groups for p in g["params"]]
     return {"optimizer_params": sum(p.numel() for p in params), "state": sum(t.numel() for t in state),
-            "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad),
             "all": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())}
 
 

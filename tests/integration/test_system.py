@@ -13,7 +13,7 @@ from common.config import WarmupConfig
 from cluster.loop.roles import evaluate
 from data.datasets import PromptSampler, load_problems
 from cluster.loop.batches import generation_requests
-from helpers import seeded
+from helpers import learned, seeded
 from learner_pool import probe, state_copy
 from helpers import compiled_graphs
 
@@ -118,14 +118,6 @@ def test_seeded_samples_are_the_same_whichever_worker_draws_them(roles, system_c
     assert ids(workers[0], batch, seeds) == first
     assert ids(workers[1], batch[2:3], seeds[2:3]) == first[2:3]
     assert ids(workers[0], batch, [s + 1 for s in seeds]) != first
-
-
-def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
-    """Did accuracy on n problems rise by more than z standard errors of the difference of two
-    proportions? A machine-independent learning check: where the warm-up lands differs
-    between CPUs (61.0% on one machine, 63.5% on another), the gain GRPO makes is what counts."""
-    se = ((before * (1 - before) + after * (1 - after)) / n) ** 0.5
-    return after - before > z * max(se, 1 / n)
 
 
 class RecordingBuffer(RolloutBuffer):
