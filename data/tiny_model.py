@@ -39,6 +39,14 @@ CHAT_TEMPLATE = (
 # <tool_response>...</tool_response> in a user turn. Its tags are single ordinary tokens, as the
 # R1 tags are. Without tools and tool messages it renders exactly as CHAT_TEMPLATE.
 CHAT_TOOL_TAGS = ["<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# The fixed text of a call and of the turn headers, single ordinary tokens too: byte by byte, the
+# call's JSON and the assistant header put a prompt's operand 76 tokens before the place where the
+# model copies it into the call, and the built-in model then miscopies every operand; with these,
+# about 20, as in the tag format (bench/results/agent_task.md). The pieces cover the worked
+# example's calculator call; other names and values stay bytes. The text is unchanged (the
+# tokens decode to it), so vLLM's Hermes parser and the template's tojson read and write the same.
+CHAT_TOOL_PIECES = ['\n{"name": "', '", "arguments": {"', '": "', '"}}\n', "calculator", "expression",
+                    "system\n", "user\n", "assistant\n"]
 TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '" + TURN_START + "system\n' }}"
@@ -88,7 +96,7 @@ def build_tokenizer(tool_tags: bool = False, chat_tools: bool = False):
 
 
 def _tags(tool_tags: bool, chat_tools: bool) -> list:
-    return TAGS + (TOOL_TAGS if tool_tags else []) + (CHAT_TOOL_TAGS if chat_tools else [])
+    return TAGS + (TOOL_TAGS if tool_tags else []) + (CHAT_TOOL_TAGS + CHAT_TOOL_PIECES if chat_tools else [])
 
 
 def variant(rollout_cfg) -> dict:

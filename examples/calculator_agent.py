@@ -63,7 +63,7 @@ def run(client, row, index):
     """One episode: ask, answer each tool call, until the model replies without one."""
     messages = list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
     for _ in range(MAX_CALLS + 1):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96)
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=48)
         message = reply.choices[0].message
         if not message.tool_calls:
             return message.content

@@ -11,7 +11,7 @@ import pytest
 from common.config import DataConfig
 from common.dispatch import Dispatched
 from common.messages import ChunkReport
-from data.tiny_model import CHAT_TOOL_TAGS, build_tokenizer
+from data.tiny_model import CHAT_TOOL_PIECES, CHAT_TOOL_TAGS, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,13 @@ def test_the_agent_model_lists_tools_and_writes_calls_and_results_in_qwen_style(
     assert text[len(prompt):] == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n'
                                   "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n408\n"
                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    for tag in CHAT_TOOL_TAGS:
+    for tag in CHAT_TOOL_TAGS + CHAT_TOOL_PIECES:
         assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1, tag
+    # The call's fixed text is a few tokens (the operand stays near the place it is copied to),
+    # and they decode to the very text vLLM's Hermes parser reads.
+    turn = text[len(prompt):text.index("<|im_end|>", len(prompt))]
+    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len("12*34") + 8 and tokenizer.decode(ids) == turn
     # Without tools the agent model's template renders as the default model's.
     plain = [{"role": "system", "content": "s"}, *user, {"role": "assistant", "content": "a"}]
     assert tokenizer.apply_chat_template(plain, tokenize=False) == build_tokenizer().apply_chat_template(
