@@ -79,8 +79,10 @@ def _rank(rank: int, port: int, path: str, args, out) -> None:
                         max_tokens_per_microbatch=args.budget, gradient_checkpointing=args.checkpointing,
                         lora=LoraConfig(rank=args.lora))
     phases = {}  # phase -> [peak, resident after] in MB (the peak reset before each phase)
+    # As a run without warm-up: the adapters' engine straight away (--full-first: the whole
+    # model's engine first, as a warm-up leaves it, then the adapters' at the snapshot).
     learner = LearnerRank(rank, args.ranks, "127.0.0.1", port, path, cfg, AlgoConfig(group_size=args.group),
-                          args.completion, 0)
+                          args.completion, 0, adapters_from_start=bool(args.lora) and not args.full_first)
     phases["engines"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
     _reset_peak()
     learner.snapshot_reference()
@@ -282,6 +284,8 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing=true")
     parser.add_argument("--lora", type=int, default=0, help="learner.lora.rank (0: full fine-tuning)")
+    parser.add_argument("--full-first", action="store_true",
+                        help="with --lora: build the whole model's engine first, as after a warm-up")
     parser.add_argument("--malloc", action="store_true", help=f"the ranks run with {MALLOC}")
     parser.add_argument("--sweep", nargs="*", choices=list(SIZES), default=[],
                         help="run each of these sizes in each --layouts (other flags apply to every run)")

@@ -441,8 +441,9 @@ class LoraConfig(Section):
     rank: int = 0
     """LoRA rank r of every adapted projection; 0: no LoRA, the whole model trains. With r > 0
     the supervised warm-up still trains the whole model, then GRPO trains only the adapters on
-    that base (only they have optimizer state) and the frozen reference is the base with the
-    adapters switched off: no second copy of the model."""
+    that base (only they have optimizer state; without warm-up the whole model's optimizer is
+    never built) and the frozen reference is the base with the adapters switched off: no second
+    copy of the model."""
     alpha: float = 16.0
     """LoRA's scale numerator: the adapter's update B A is scaled by alpha / rank."""
     dropout: float = 0.0

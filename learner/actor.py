@@ -29,8 +29,10 @@ from learner.weight_sender import WeightSender, shm_free_bytes
 class LearnerRank:
     @heap.started_without_full_collections  # DeepSpeed's and transformers' imports, the model's load
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
-                 cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int):
-        """`max_new_tokens`: the longest completion (Dr. GRPO's constant divisor, DAPO's limit)."""
+                 cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int, adapters_from_start: bool = False):
+        """`max_new_tokens`: the longest completion (Dr. GRPO's constant divisor, DAPO's limit);
+        `adapters_from_start`: with LoRA, no warm-up trains the whole model first (see
+        learner/policy.py)."""
         self.rank, self.world_size = rank, world_size
         self.cfg, self.algo, self.max_new_tokens = cfg, algo, max_new_tokens
         self.on_gpu = torch.cuda.is_available() and cfg.num_gpus_per_rank > 0
@@ -47,7 +49,8 @@ class LearnerRank:
         # Under ZeRO-3 kept for the rank's life: the reference is built partitioned later too.
         self._zero3_models = engines.zero3_models(ds_config)
         checkpointed = engines.checkpointing(cfg, self.on_gpu)
-        self.policy = PolicyModel(model_path, cfg, algo, ds_config, dtype, self.on_gpu, checkpointed)
+        self.policy = PolicyModel(model_path, cfg, algo, ds_config, dtype, self.on_gpu, checkpointed,
+                                  adapters_from_start)
         self.device = self.policy.device
         self.critic = (engines.critic_engine(model_path, cfg, algo, ds_config, dtype, checkpointed)
                        if algo.adv_estimator == "gae" else None)

@@ -94,12 +94,19 @@ def zero3_bounds(model, config: dict) -> dict:
 def policy_engine(model_path: str, cfg: LearnerConfig, config: dict, dtype, checkpointed: bool = False):
     """(engine, optimizer) of the policy."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
-    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), checkpointed)
+    model = pretrained_base(model_path, dtype, checkpointed)
     optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_bounds(model, config))
     return engine, optimizer
+
+
+def pretrained_base(model_path: str, dtype, checkpointed: bool):
+    """The model at `model_path`, ready to train (under ZeRO-3, loaded partitioned: see
+    `zero3_models`)."""
+    from transformers import AutoModelForCausalLM
+
+    return prepare_for_training(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), checkpointed)
 
 
 def critic_engine(model_path: str, cfg: LearnerConfig, algo: AlgoConfig, config: dict, dtype,

@@ -55,17 +55,18 @@ def _rendezvous(rank0_options: dict):
 
 class LearnerGroup:
     def __init__(self, model_path: str, cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int,
-                 placement=None, rank_class: type = LearnerRank):
+                 placement=None, rank_class: type = LearnerRank, adapters_from_start: bool = False):
         """`cfg.num_ranks` ranks; `placement(i)`: Ray actor options for rank i (its placement
         group bundle); `max_new_tokens`: the rollout's longest completion; `rank_class`: the
-        ranks' actor class, a LearnerRank (tests use one that can start over in its process)."""
+        ranks' actor class, a LearnerRank (tests use one that can start over in its process);
+        `adapters_from_start`: with LoRA, no warm-up trains the whole model first."""
         actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(rank_class)
         world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
         master_addr, master_port = _rendezvous(options[0])
         self.ranks = [
             actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, cfg, algo,
-                                                  max_new_tokens, seed)
+                                                  max_new_tokens, seed, adapters_from_start)
             for rank in range(world)
         ]
 

@@ -18,12 +18,21 @@ from learner import engines
 
 class PolicyModel:
     def __init__(self, model_path: str, cfg: LearnerConfig, algo: AlgoConfig, ds_config: dict, dtype, on_gpu: bool,
-                 checkpointed: bool):
+                 checkpointed: bool, adapters_from_start: bool = False):
+        """`adapters_from_start`: with LoRA, nothing trains the whole model first (no warm-up),
+        so the rank builds the adapters' engine on the loaded model at once. The whole model's
+        engine is never made: under ZeRO-3 it allocates its AdamW moments and gradient
+        partitions at build, 12 bytes per parameter over the ranks that LoRA never uses, and
+        that build, not the step, set the LoRA layout's peak (bench/memory_scale.py)."""
         self.cfg, self.algo, self.ds_config, self.dtype, self.on_gpu = cfg, algo, ds_config, dtype, on_gpu
-        self.engine, self.optimizer = engines.policy_engine(model_path, cfg, ds_config, dtype, checkpointed)
-        self.device = self.engine.device
         self.ref_model = None
         self.lora = False  # GRPO trains LoRA adapters (learner.lora.rank > 0), from the reference's snapshot on
+        if cfg.lora.rank and adapters_from_start:
+            base = engines.pretrained_base(model_path, dtype, checkpointed)
+            self._train_adapters(base)
+        else:
+            self.engine, self.optimizer = engines.policy_engine(model_path, cfg, ds_config, dtype, checkpointed)
+        self.device = self.engine.device
 
     @property
     def module(self):
@@ -36,6 +45,8 @@ class PolicyModel:
     # ---- the frozen reference ----------------------------------------------------------------
     def snapshot_reference(self) -> None:
         """Freeze a copy of the current policy as pi_ref (GRPO starts from the warmed-up model)."""
+        if self.lora:
+            return  # adapters from the start: pi_ref is already the base with them off
         if self.cfg.lora.rank:
             self.start_lora()
             return
@@ -64,6 +75,9 @@ class PolicyModel:
         if hasattr(self.engine, "destroy"):
             self.engine.destroy()
         self.engine = self.optimizer = old = None
+        self._train_adapters(base)
+
+    def _train_adapters(self, base) -> None:
         self.engine, self.optimizer = engines.lora_engine(base, self.cfg, self.ds_config)
         self.lora = True
         self.ref_model = engines.AdaptersOff(self.engine) if self.algo.beta > 0 else None

@@ -103,12 +103,12 @@ class LearnerPool:
         self.idle: dict = {}  # world size -> LearnerGroup
 
     @contextmanager
-    def learner(self, model_path: str, cfg, algo, max_new_tokens: int, seed: int):
+    def learner(self, model_path: str, cfg, algo, max_new_tokens: int, seed: int, adapters_from_start: bool = False):
         """A LearnerGroup of `cfg.num_ranks` ranks built from these settings, for the `with` body."""
-        settings = (model_path, cfg, algo, max_new_tokens, seed)
+        settings = (model_path, cfg, algo, max_new_tokens, seed, adapters_from_start)
         group = self.idle.pop(cfg.num_ranks, None)
         if group is None:
-            group = LearnerGroup(*settings, rank_class=RebuiltRank)
+            group = LearnerGroup(*settings[:-1], rank_class=RebuiltRank, adapters_from_start=adapters_from_start)
         else:
             ray.get([r.rebuild.remote(*settings) for r in group.ranks])
         try:

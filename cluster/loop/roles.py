@@ -57,8 +57,12 @@ class Roles:
 
 
 def start_learner(cfg: Config, placement):
+    # With LoRA and no warm-up nothing trains the whole model: the ranks build only the
+    # adapters' engine (no full optimizer state at any point). A warm-up that finds no solved
+    # rows to train on leaves the full engine built and unused until the snapshot: correct, not lean.
     return LearnerGroup(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.completion_budget, cfg.trainer.seed,
-                        placement=lambda i: placement.options("learner", i))
+                        placement=lambda i: placement.options("learner", i),
+                        adapters_from_start=bool(cfg.learner.lora.rank) and cfg.warmup.steps == 0)
 
 
 def start_roles(cfg: Config) -> Roles:

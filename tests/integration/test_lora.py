@@ -92,18 +92,23 @@ def _mismatch(update: dict, reference: dict) -> float:
     return max(float((update[k] - reference[k]).abs().max()) for k in reference) / scale
 
 
-@pytest.mark.parametrize("num_ranks,zero_stage", [(1, 2), (2, 3)])
-def test_lora_steps_are_the_adapter_gradient_by_hand(learners, system_cfg, num_ranks, zero_stage):
+@pytest.mark.parametrize("num_ranks,zero_stage,from_start", [(1, 2, False), (2, 3, False), (2, 3, True)])
+def test_lora_steps_are_the_adapter_gradient_by_hand(learners, system_cfg, num_ranks, zero_stage, from_start):
     """Two SGD steps (lr 1: the update is the clipped gradient): at the first the policy equals
     the reference (B = 0), at the second the KL to the adapters-off base pulls too. One ZeRO-2
     rank, and two ZeRO-3 ranks with every parameter partitioned, adapters included: both within
-    reduction-order rounding of the same hand computation, so of each other."""
+    reduction-order rounding of the same hand computation, so of each other. `from_start`: a
+    run without warm-up, whose ranks build the adapters' engine on the loaded model and never
+    the whole model's (no optimizer state for it at any point)."""
     cfg = _lora_cfg(system_cfg, num_ranks=num_ranks, zero_stage=zero_stage, optimizer="sgd", minibatches=1,
                     max_tokens_per_microbatch=0, num_cpus_per_rank=0.1, deepspeed=EVERY_PARAMETER_PARTITIONED)
     cfg = replace(cfg, algo=replace(cfg.algo, beta=0.5))  # a KL term large enough to tell
     vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
     groups = varied_groups(vocab, G)
-    with learners.learner(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0) as learner:
+    with learners.learner(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0,
+                          from_start) as learner:
+        if from_start:
+            assert all(probe(learner, lambda rank: rank.policy.lora)), "the ranks built the whole model's engine"
         learner.snapshot_reference()
         numel = probe(learner, trained_numel)
         states = [probe(learner, state_copy)[0]]
