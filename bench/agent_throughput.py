@@ -1,6 +1,7 @@
 """Completion tokens/s of an agent through the endpoint against the built-in episode loop.
 
-    .venv/bin/python bench/agent_throughput.py [--steps 6] [--warmup-steps 300] [--output-dir runs/bench] [overrides...]
+    .venv/bin/python bench/agent_throughput.py [--steps 6] [--warmup-steps 300 | --model DIR] [--output-dir runs/bench] \
+        [overrides...]
 
 On the multiplication task with the model for agents: one `grpo train data=mul_agent` run
 whose supervised warm-up teaches the model the calculator's call (its final_model is then the
@@ -75,12 +76,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument("--output-dir", default="runs/bench")
+    parser.add_argument("--model", default=None,
+                        help="a model for agents already trained (a run's final_model): no warm-up run")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="more grpo train overrides (every run)")
     args = parser.parse_args()
     out = Path(args.output_dir) / f"agent-throughput-{time.strftime('%Y%m%d-%H%M%S')}"
-    warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
-    model = ["model=hf", f"model.path={warm / 'final_model'}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
+    if args.model is None:
+        warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
+        args.model = str(warm / "final_model")
+    model = ["model=hf", f"model.path={args.model}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
     results = {}
     for name, extra in (("agent", ["rollout.agent=bench.agent_throughput:same_schema_agent"]), ("loop", ["rollout.agent=null", "rollout.tools=[calculator]",
                                                   "rollout.tool_format=hermes"])):
