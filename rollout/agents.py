@@ -9,6 +9,12 @@ Each agent runs in a process of a small pool (`rollout.agent_concurrency` of the
 per worker and reused), so that an agent that hangs, even in C code or a busy loop, is killed at
 `rollout.agent_timeout_s` and its process replaced, and one that raises or exits ends only its
 own episode. The processes die with the worker (a parent-death signal).
+
+An episode's time limit starts when its process is ready (interpreter, `openai` and the agent's
+module imported), not when the task is handed over: a cold pool of 32 processes importing on
+2 busy cores took over a minute to start, and the first step's episodes timed out waiting for
+their own process (bench/agent_throughput.py). A process that is not ready within
+`START_LIMIT_S` (or the time limit, if longer) fails its task and is replaced.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.child import die_with_parent
+
+START_LIMIT_S = 300.0
+"""How long an agent process may take to become ready before its task fails."""
+_READY = "ready"  # what a process sends once its agent is loaded
 
 # What an agent's process keeps of the worker's environment: no credentials of the run.
 _SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "WANDB", "RAY_", "AWS_", "HF_")
@@ -57,6 +67,7 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -
 
     fn = load_function(path, search_path)
     asynchronous = inspect.iscoroutinefunction(fn)
+    conn.send(_READY)
     while True:
         try:
             task: AgentTask = conn.recv()
@@ -75,14 +86,19 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -
 
 class AgentPool:
     """`size` agent processes; `run(tasks)` hands each task to a free one and collects results,
-    killing (and replacing) a process whose task passes `timeout_s`."""
+    killing (and replacing) a process whose task passes `timeout_s` from the moment the process
+    was ready."""
 
     def __init__(self, path: str, size: int, timeout_s: float, search_path: Sequence[str] = ()):
         self.path, self.size, self.timeout_s, self.search_path = path, size, timeout_s, list(search_path)
+        self.start_limit_s = max(START_LIMIT_S, timeout_s)
         self._ctx = multiprocessing.get_context("spawn")  # never fork an actor holding an engine's threads
         self._procs: List[Tuple[Any, Any]] = []
+        self._started: List[float] = []  # per slot: when its process was spawned
+        self._ready: set = set()  # slots whose process has loaded the agent
         self._queue: List[AgentTask] = []
-        self._busy: Dict[int, Tuple[AgentTask, float]] = {}  # slot -> (task, deadline)
+        # slot -> (task, deadline); the deadline is None until the slot's process is ready
+        self._busy: Dict[int, Tuple[AgentTask, Optional[float]]] = {}
         self.results: List[AgentResult] = []
 
     def _spawn(self):
@@ -96,6 +112,7 @@ class AgentPool:
     def submit(self, tasks: Sequence[AgentTask]) -> None:
         while len(self._procs) < min(self.size, len(tasks) + len(self._busy)):
             self._procs.append(self._spawn())
+            self._started.append(time.monotonic())
         self._queue.extend(tasks)
         self._dispatch()
 
@@ -110,27 +127,45 @@ class AgentPool:
             if slot not in self._busy:
                 task = self._queue.pop(0)
                 self._procs[slot][1].send(task)
-                self._busy[slot] = (task, time.monotonic() + self.timeout_s)
+                self._busy[slot] = (task, self._deadline(slot))
+
+    def _deadline(self, slot: int) -> Optional[float]:
+        return time.monotonic() + self.timeout_s if slot in self._ready else None
 
     def poll(self, wait_s: float = 0.0) -> List[AgentResult]:
         """Results that arrived (waiting up to `wait_s` for one), timeouts and dead processes."""
-        conns = {self._procs[slot][1]: slot for slot in self._busy}
+        listening = set(self._busy) | (set(range(len(self._procs))) - self._ready)
+        conns = {self._procs[slot][1]: slot for slot in listening}
         ready = wait(list(conns), timeout=wait_s) if conns else []
         done: List[AgentResult] = []
         for conn in ready:
             slot = conns[conn]
-            task, _ = self._busy.pop(slot)
             try:
-                done.append(conn.recv())
+                message = conn.recv()
             except (EOFError, OSError):
-                done.append(AgentResult(task.task_id, None, "the agent's process died"))
+                busy = self._busy.pop(slot, None)
+                if busy is not None:
+                    done.append(AgentResult(busy[0].task_id, None, "the agent's process died"))
                 self._replace(slot)
+                continue
+            if message == _READY:
+                self._ready.add(slot)
+                if slot in self._busy:  # its task's time starts now
+                    self._busy[slot] = (self._busy[slot][0], self._deadline(slot))
+                continue
+            del self._busy[slot]
+            done.append(message)
         now = time.monotonic()
         for slot, (task, deadline) in list(self._busy.items()):
-            if now > deadline:
-                del self._busy[slot]
-                done.append(AgentResult(task.task_id, None, f"timed out after {self.timeout_s:g} s", timed_out=True))
-                self._replace(slot)
+            if deadline is not None and now > deadline:
+                error, timed_out = f"timed out after {self.timeout_s:g} s", True
+            elif deadline is None and now > self._started[slot] + self.start_limit_s:
+                error, timed_out = f"the agent's process did not start within {self.start_limit_s:g} s", False
+            else:
+                continue
+            del self._busy[slot]
+            done.append(AgentResult(task.task_id, None, error, timed_out=timed_out))
+            self._replace(slot)
         self._dispatch()
         self.results += done
         return done
@@ -140,7 +175,9 @@ class AgentPool:
         proc.kill()
         proc.join(timeout=5)
         conn.close()
+        self._ready.discard(slot)
         self._procs[slot] = self._spawn()
+        self._started[slot] = time.monotonic()
 
     def close(self) -> None:
         for proc, conn in self._procs:
@@ -149,3 +186,5 @@ class AgentPool:
         for proc, _ in self._procs:
             proc.join(timeout=5)
         self._procs.clear()
+        self._started.clear()
+        self._ready.clear()
