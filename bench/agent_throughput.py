@@ -32,7 +32,7 @@ from pathlib import Path
 
 GRPO = str(Path(sys.executable).parent / "grpo")
 COMMON = ["data=mul_agent", "trainer.progress=false", "logger=none", "trainer.eval_every=0", "trainer.save_every=0",
-          "trainer.max_restarts=0"]
+          "trainer.max_restarts=0", "data.heldout_size=8"]  # the held-out accuracy is not what is measured
 
 
 def load_average() -> str:
@@ -87,8 +87,12 @@ def main() -> None:
         args.model = str(warm / "final_model")
     model = ["model=hf", f"model.path={args.model}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
     results = {}
-    for name, extra in (("agent", ["rollout.agent=bench.agent_throughput:same_schema_agent"]), ("loop", ["rollout.agent=null", "rollout.tools=[calculator]",
-                                                  "rollout.tool_format=hermes"])):
+    runs = {"agent": ["rollout.agent=bench.agent_throughput:same_schema_agent"],
+            # The chat template as the endpoint renders every request (`auto` leaves a base
+            # model's plain rows as they are: the loop's model then ends each episode at once).
+            "loop": ["rollout.agent=null", "rollout.tools=[calculator]", "rollout.tool_format=hermes",
+                     "data.chat_template=true"]}
+    for name, extra in runs.items():
         before = load_average()
         results[name] = rates(train(out, name, *model, *extra, *args.overrides))
         results[name]["load_average"] = f"{before} -> {load_average()}"
