@@ -67,17 +67,26 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -
 
     fn = load_function(path, search_path)
     asynchronous = inspect.iscoroutinefunction(fn)
+    # One HTTP client (and event loop) per process, not per episode: a new `openai` client builds
+    # its own httpx client and TLS context, 20-50 ms of CPU, more than the rest of an episode's
+    # requests cost the tiny model (bench/agent_throughput.py). Each episode still gets its own
+    # `openai` client with its session's URL and key; only the connection pool is shared.
+    loop = asyncio.new_event_loop() if asynchronous else None
+    http = openai.DefaultAsyncHttpxClient() if asynchronous else openai.DefaultHttpxClient()
     conn.send(_READY)
     while True:
         try:
             task: AgentTask = conn.recv()
         except EOFError:
             return
+        if http.is_closed:  # an agent closed its client (`with OpenAI(...)`): the pool went with it
+            http = openai.DefaultAsyncHttpxClient() if asynchronous else openai.DefaultHttpxClient()
         try:
             kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
-            client = kind(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s)
-            answer = asyncio.run(fn(client, task.row, task.index)) if asynchronous else fn(client, task.row,
-                                                                                          task.index)
+            client = kind(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s,
+                          http_client=http)
+            answer = (loop.run_until_complete(fn(client, task.row, task.index)) if asynchronous
+                      else fn(client, task.row, task.index))
             result = AgentResult(task.task_id, None if answer is None else str(answer))
         except BaseException as exc:  # the agent's own failure ends its episode, not the pool
             result = AgentResult(task.task_id, None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])

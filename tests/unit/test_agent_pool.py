@@ -1,10 +1,14 @@
 """The agents' process pool (rollout/agents.py) with real processes: an episode's time limit
 starts when its process is ready, not when the task is handed over, so a pool that is slow to
 start fails nothing; an agent that hangs is still killed at its limit; a process that never
-becomes ready fails its task and is replaced."""
+becomes ready fails its task and is replaced; an agent that closes its client (the connection
+pool its process shares between episodes) does not break the next episode's."""
 from __future__ import annotations
 
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rollout.agents import AgentPool, AgentTask
 
@@ -24,6 +28,31 @@ def quick(client, row, index):
 def hang(client, row, index):
     time.sleep(60)
 '''
+
+CLOSING = '''
+def closing(client, row, index):
+    with client:  # closes the client, and with it the HTTP connection pool it was given
+        return client.models.list().data[0].id
+
+
+async def closing_async(client, row, index):
+    async with client:
+        return (await client.models.list()).data[0].id
+'''
+
+
+class _Models(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": self.path.split("/")[1], "object": "model",
+                                                       "created": 0, "owned_by": "test"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
 
 
 def _run(pool: AgentPool, tasks) -> dict:
@@ -67,3 +96,20 @@ def test_a_process_that_never_gets_ready_fails_its_task_and_is_replaced(tmp_path
         assert len(pool._procs) == 1 and pool._procs[0][0].is_alive()  # a new process in its slot
     finally:
         pool.close()
+
+
+def test_an_agent_that_closes_its_client_leaves_the_next_episode_a_working_one(tmp_path):
+    (tmp_path / "closing_agents.py").write_text(CLOSING)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in ("closing", "closing_async"):
+            pool = AgentPool(f"closing_agents:{name}", 1, 30.0, search_path=[str(tmp_path)])
+            tasks = [AgentTask(i, f"http://127.0.0.1:{server.server_port}/s{i}/v1", "key", {}, i) for i in range(3)]
+            try:
+                results = _run(pool, tasks)  # one process: the three episodes one after another
+            finally:
+                pool.close()
+            assert {i: (r.answer, r.error) for i, r in results.items()} == {i: (f"s{i}", None) for i in range(3)}, name
+    finally:
+        server.shutdown()
