@@ -27,6 +27,9 @@ class PolicyModel:
         self.cfg, self.algo, self.ds_config, self.dtype, self.on_gpu = cfg, algo, ds_config, dtype, on_gpu
         self.ref_model = None
         self.lora = False  # GRPO trains LoRA adapters (learner.lora.rank > 0), from the reference's snapshot on
+        # The LoRA base is the model the engines loaded at start (adapters from the start, no
+        # resume): they never need it pushed, not even after a restart.
+        self.base_is_initial = bool(cfg.lora.rank and adapters_from_start)
         if cfg.lora.rank and adapters_from_start:
             base = engines.pretrained_base(model_path, dtype, checkpointed)
             self._train_adapters(base)
@@ -61,6 +64,7 @@ class PolicyModel:
         partition), the old engine and its optimizer go, and the new engine's optimizer holds
         only the adapters. pi_ref is the same engine with its adapters off."""
         old = self.engine.module
+        self.base_is_initial = False  # a warmed-up or saved base: the engines need it once
         base = engines.fresh_base(old.config, self.dtype, engines.checkpointing(self.cfg, self.on_gpu))
         zero3 = self.cfg.zero_stage == 3
         if base_state is None and zero3:

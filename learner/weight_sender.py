@@ -24,11 +24,14 @@ class WeightSender:
         self._send_buffers: Optional[List[torch.Tensor]] = None  # see _staging
 
     def weight_spec(self, dtype: str, bucket_mb: float, part: str = "policy") -> Optional[dict]:
-        """The push's spec; `base`: None unless the push sends adapters (the engines then need
-        the base once, before the first adapters and after an engine's restart). An adapter
-        spec carries the adapter's peft config (`adapter_config`), which the engines serve it by."""
+        """The push's spec; `base`: None unless the push sends adapters on a base other than the
+        engines' initial weights (they then need the base once, before the first adapters and
+        after an engine's restart). An adapter spec carries the adapter's peft config
+        (`adapter_config`), which the engines serve it by."""
         adapters = self.policy.pushes_adapters
-        if part == "base" and not adapters:
+        if part == "base" and (not adapters or self.policy.base_is_initial):
+            # Adapters from the start: the base is what every engine loaded, and the push of
+            # it, whole through a shared file, was what ran a 1.6 B model out of memory.
             return None
         # ZeRO-3 placeholders carry their full shape (ds_shape): no gather needed to describe them.
         wire = weight_sync.make_spec(list(self.policy.sync_tensors(part).items()), dtype, bucket_mb).to_wire()

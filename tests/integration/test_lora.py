@@ -143,6 +143,30 @@ def lora_engine(ray_session, system_cfg):
     pool.shutdown()
 
 
+def test_adapters_from_the_start_push_no_base_and_serve_on_the_initial_weights(learners, fresh_engines, lora_engine,
+                                                                              system_cfg, tmp_path):
+    """A run without warm-up: the base is what the engines loaded, so no push ever sends it
+    (it went whole through a shared file, and ran a 1.6 B model out of memory), and the engine
+    after the adapters' push equals a fresh engine of the model with the saved adapter. First
+    of the module's pushes: its engine still holds the initial weights, as a run's do."""
+    cfg = _lora_cfg(system_cfg, num_ranks=2, zero_stage=3, num_cpus_per_rank=0.1,
+                    deepspeed=EVERY_PARAMETER_PARTITIONED)
+    rollout, pool = lora_engine
+    with learners.learner(cfg.model.path, cfg.learner, cfg.algo, cfg.rollout.max_new_tokens, 0, True) as learner:
+        learner.snapshot_reference()
+        channel = WeightSyncChannel(learner, pool, cfg.rollout.dtype, bucket_mb=0.25, timeout_s=120)
+        assert channel.base_spec is None
+        vocab = json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"]
+        learner.train_step([ray.put(g) for g in varied_groups(vocab, G)], 1.0, 1e-2)
+        metrics = channel.push(1)
+        adapter = learner.save_pretrained(str(tmp_path / "adapter"), "adapter")
+    assert pool.versions() == [1]
+    assert 0 < metrics["sync_bytes"] < sum(p.stat().st_size for p in Path(cfg.model.path).glob("*.safetensors")) / 10
+    fresh = fresh_engines.engine(cfg.model.path, rollout, 123)
+    ray.get(fresh.__ray_call__.remote(serve_adapter, adapter))
+    assert engine_state(pool.workers[0]) == engine_state(fresh), "the engine differs from the model + saved adapter"
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_adapter_push_equals_a_fresh_engine_with_the_saved_adapter(learners, fresh_engines, lora_engine, system_cfg,
                                                                    zero_stage, tmp_path):
