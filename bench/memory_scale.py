@@ -230,6 +230,8 @@ def table(path: str) -> str:
         above = mean("learner_peak_memory_mb") - mean("baseline_mb")
         paper = f["total_mb"] + f["activations_mb"]
         layout = run["layout"] + (" (malloc)" if run["setting"].get("malloc") else "")
+        if run["setting"].get("full_first"):
+            layout += ", full engine first"
         rows.append(f"| {run['size']} ({f['params'] / 1e6:.1f} M) | {layout} | {run['setting']['completion']} "
                     f"| {mean('learner_peak_memory_mb'):,.0f} | {above:,.0f} | {f['total_mb']:,.0f} + "
                     f"{f['activations_mb']:,.0f} | {above / paper:.2f} | {mean('tensor_mb'):,.0f} | {f['total_mb']:,.0f} "
