@@ -360,8 +360,9 @@ class RolloutConfig(Section):
     agent_concurrency: int = 8
     """Agents running at once per generation worker, each in a process of its own."""
     agent_timeout_s: float = 60.0
-    """Wall-clock limit of one agent's episode; past it the agent's process is killed and the
-    episode is scored 0 (counted as `agent_timeouts`)."""
+    """Wall-clock limit of one agent's episode, from the moment its process is ready (the agent's
+    module loaded); past it the agent's process is killed and the episode is scored 0 (counted
+    as `agent_timeouts`)."""
     endpoint_host: str = "127.0.0.1"
     """Address the agents' endpoint listens on: loopback (agents run beside the engine), or the
     node's address for agents elsewhere."""
