@@ -33,7 +33,12 @@ def main(model_cache: str, out: str) -> None:
     from tests.helpers import small_overrides
 
     store = 150 * 2**20
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store})
+    from common.ray_utils import free_port
+
+    # A dashboard port of its own (the state API below goes through it): another test worker's
+    # Ray may hold the default 8265, and then this head starts without one.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
+                                                            "dashboard_port": free_port()})
     labels = {"gen": 3, "train": 2, "score": 1}
     nodes = {label: cluster.add_node(num_cpus=cpus, resources={label: 1}, object_store_memory=store)
              for label, cpus in labels.items()}
@@ -51,7 +56,8 @@ def main(model_cache: str, out: str) -> None:
                       for n in ray.nodes() if n["Alive"]}
         node_label[replacement_id] = "gen-replacement" if replacement_id else None
         placed = {}
-        for actor in list_actors(filters=[("state", "=", "ALIVE")]):
+        # This cluster's address: with other Rays on the machine the default is the newest one.
+        for actor in list_actors(address=cluster.address, filters=[("state", "=", "ALIVE")]):
             placed.setdefault(actor.class_name, []).append(node_label.get(actor.node_id, "?"))
         return placed
 
