@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import signal
+import time
 from dataclasses import replace
 
 import psutil
@@ -68,9 +69,18 @@ def test_a_killed_engine_leaves_no_process_and_its_restart_syncs(learners, syste
             channel.push(1)
             before = greedy_ids(pool.workers[0])
             actor = psutil.Process(ray.get(pool.workers[0].pid.remote()))
-            engine = actor.children(recursive=True)
-            names = [p.name() for p in engine]
-            assert "VLLM::EngineCore" in names and any(n.startswith("VLLM::Worker") for n in names), names
+            # A process's title is in its name (comm) and its command line (setproctitle writes
+            # both): a suite run on 2 busy cores once read the worker's name as `python`, so both
+            # are read, and again for a while, before calling the engine's processes missing.
+            deadline = time.monotonic() + 30
+            while True:
+                engine = actor.children(recursive=True)
+                names = [f"{p.name()} {' '.join(p.cmdline())}" for p in engine]
+                found = any("VLLM::EngineCore" in n for n in names) and any("VLLM::Worker" in n for n in names)
+                if found or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert found, names
             # SIGKILL, as the OOM killer or a crash ends it: `ray.kill` would go through the
             # worker's own exit, which kills its direct children itself.
             actor.send_signal(signal.SIGKILL)
