@@ -30,9 +30,8 @@ class PolicyModel:
         # The LoRA base is the model the engines loaded at start (adapters from the start, no
         # resume): they never need it pushed, not even after a restart.
         self.base_is_initial = bool(cfg.lora.rank and adapters_from_start)
-        if cfg.lora.rank and adapters_from_start:
-            base = engines.pretrained_base(model_path, dtype, checkpointed)
-            self._train_adapters(base)
+        if self.base_is_initial:
+            self._train_adapters(engines.pretrained_base(model_path, dtype, checkpointed))
         else:
             self.engine, self.optimizer = engines.policy_engine(model_path, cfg, ds_config, dtype, checkpointed)
         self.device = self.engine.device

@@ -72,7 +72,8 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -
     # requests cost the tiny model (bench/agent_throughput.py). Each episode still gets its own
     # `openai` client with its session's URL and key; only the connection pool is shared.
     loop = asyncio.new_event_loop() if asynchronous else None
-    http = openai.DefaultAsyncHttpxClient() if asynchronous else openai.DefaultHttpxClient()
+    new_http = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
+    http = new_http()
     conn.send(_READY)
     while True:
         try:
@@ -80,7 +81,7 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -
         except EOFError:
             return
         if http.is_closed:  # an agent closed its client (`with OpenAI(...)`): the pool went with it
-            http = openai.DefaultAsyncHttpxClient() if asynchronous else openai.DefaultHttpxClient()
+            http = new_http()
         try:
             kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
             client = kind(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s,
@@ -117,18 +118,23 @@ class AgentPool:
         self._busy: Dict[int, Tuple[AgentTask, Optional[float]]] = {}
         self.results: List[AgentResult] = []
 
-    def _spawn(self):
+    def _spawn(self, slot: int) -> None:
+        """A new process in `slot` (a new slot at the end), not ready until it says so."""
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_agent_main, args=(child, self.path, self.search_path, self.timeout_s),
                                  daemon=True)
         proc.start()
         child.close()
-        return proc, parent
+        if slot == len(self._procs):
+            self._procs.append((proc, parent))
+            self._started.append(time.monotonic())
+        else:
+            self._procs[slot], self._started[slot] = (proc, parent), time.monotonic()
+        self._ready.discard(slot)
 
     def submit(self, tasks: Sequence[AgentTask]) -> None:
         while len(self._procs) < min(self.size, len(tasks) + len(self._busy)):
-            self._procs.append(self._spawn())
-            self._started.append(time.monotonic())
+            self._spawn(len(self._procs))
         self._queue.extend(tasks)
         self._dispatch()
 
@@ -191,9 +197,7 @@ class AgentPool:
         proc.kill()
         proc.join(timeout=5)
         conn.close()
-        self._ready.discard(slot)
-        self._procs[slot] = self._spawn()
-        self._started[slot] = time.monotonic()
+        self._spawn(slot)
 
     def close(self) -> None:
         for proc, conn in self._procs:

@@ -29,12 +29,11 @@ def main(model_cache: str, out: str) -> None:
     from cluster.loop.launch import ACTOR_ENV, check_resources
     from cluster.cli.checks import resolve_model
     from cluster.loop.roles import start_roles
+    from common.ray_utils import free_port
     from data.datasets import PromptSampler, load_problems
     from tests.helpers import small_overrides
 
     store = 150 * 2**20
-    from common.ray_utils import free_port
-
     # A dashboard port of its own (the state API below goes through it): another test worker's
     # Ray may hold the default 8265, and then this head starts without one.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
