@@ -9,7 +9,7 @@ import ray
 
 from common.config import AlgoConfig, LearnerConfig
 from common.errors import RunFailed
-from common.ray_utils import actor_index, first_death, free_port, node_ip
+from common.ray_utils import actor_index, death_cause, first_death, free_port, node_ip
 from learner.actor import LearnerRank
 from learner.metrics import combine_metrics
 
@@ -26,14 +26,14 @@ def _get(refs, method: str):
     try:
         return ray.get(refs)
     except ray.exceptions.RayActorError as error:
-        raise LearnerError(f"a learner rank died during {method} ({type(error).__name__})") from error
+        raise LearnerError(f"a learner rank died during {method}: {death_cause(error)}") from error
     except ray.exceptions.RayTaskError:
         # A rank whose peer died mid-collective fails itself (gloo: the connection closed), and
         # that error can arrive before the dead rank's: the death is the cause to report.
         died = first_death(refs, DEATH_WAIT_S)
         if died is None:
             raise
-        raise LearnerError(f"a learner rank died during {method} ({type(died).__name__})") from died
+        raise LearnerError(f"a learner rank died during {method}: {death_cause(died)}") from died
 
 
 def _rendezvous_address():
