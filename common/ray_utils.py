@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 
@@ -12,11 +13,45 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+_HANDED_OUT: set = set()
+LOWEST_PORT = 20000
+"""Above Ray's worker ports (10002-19999 unless its start says otherwise)."""
+
+
 def free_port() -> int:
-    """A TCP port free on this node now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on this node now, for a server that a process about to start will bind
+    (a rendezvous, a sync group). Chosen at random below the kernel's ephemeral range, where
+    the kernel never picks the port of an outgoing connection: a port it picked for us (bind to
+    port 0) lies in that range, and in the seconds before a learner rank bound it, a connection
+    had taken it (EADDRINUSE; CI at 710d593). Never the same port twice from one process."""
+    lowest_ephemeral = _ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(200 if lowest_ephemeral - LOWEST_PORT >= 1000 else 0):
+        port = rng.randrange(LOWEST_PORT, lowest_ephemeral)
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a machine whose ephemeral range is all
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
 
 
 def init_ray(address: str | None, num_cpus: int | None, env_vars: dict | None = None,
@@ -63,6 +98,9 @@ def death_cause(error: BaseException) -> str:
     # among its possible causes, in a wording that changes between Ray releases.
     if type(error).__name__ == "OutOfMemoryError" or "memory monitor" in text or "low on memory" in text:
         return "out of memory (Ray's memory monitor killed it)"
+    if getattr(error, "actor_init_failed", False):  # its __init__ raised: the traceback's last line says what
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return f"its start failed: {lines[-1][:160]}" if lines else "its start failed"
     detail = re.search(r"Worker exit detail: ([^\n]*)", text)
     if detail:
         line = detail.group(1).strip()

@@ -25,6 +25,12 @@ def test_a_plain_kill_is_not_reported_as_out_of_memory():
     assert death_cause(RuntimeError(KILLED_260)) == "its process ended without a word (a kill signal or a crash)"
     assert death_cause(RuntimeError(OOM)) == "out of memory (Ray's memory monitor killed it)"
     assert death_cause(ValueError("something else")) == "ValueError"
+    import ray
+
+    init_failed = ray.exceptions.RayActorError(error_msg="The actor died because of an error raised in its creation "
+                                               "task, Traceback (most recent call last):\n  File x\nOSError: disk full\n",
+                                               actor_init_failed=True)
+    assert death_cause(init_failed) == "its start failed: OSError: disk full"
 
 
 def test_one_line_names_the_role_the_step_the_cause_and_the_recovery_time():
@@ -77,3 +83,17 @@ def test_with_no_restarts_allowed_a_lost_rank_stops_the_run_with_the_resume_line
         f"trainer.run_name=mine trainer.resume=auto")
     with pytest.raises(LearnerError, match=r"the run stopped \(after 3 recoveries, trainer.max_restarts=3\)\. "):
         recover_learner(_run_after_losses(tmp_path, 3, 3), 3, lost)
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():
+    """A rendezvous port the kernel could give an outgoing connection in the meantime is one a
+    learner rank then failed to bind (EADDRINUSE)."""
+    import socket
+
+    from common.ray_utils import LOWEST_PORT, _ephemeral_ports, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(LOWEST_PORT <= p < _ephemeral_ports()[0] for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("", ports[0]))
