@@ -4,12 +4,14 @@ Face export of the policy. The checkpoint's layout is cluster/loop/checkpoint.py
 """
 from __future__ import annotations
 
+import collections
 import os
 import random
 from typing import Optional
 
 import torch
 
+from common import state_files
 from learner import engines
 from learner.policy import PolicyModel
 
@@ -23,37 +25,54 @@ class CheckpointState:
         and the model's config and tokenizer (see cluster/loop/checkpoint.py for the layout)."""
         policy, zero_stage = self.policy, self.policy.cfg.zero_stage
         learner_dir = os.path.join(folder, "learner")
-        # With LoRA the frozen base is not DeepSpeed's to save: base.pt holds it (below).
+        # With LoRA the frozen base is not DeepSpeed's to save: base/ holds it (below).
         policy.engine.save_checkpoint(learner_dir, tag="ds", exclude_frozen_parameters=policy.lora)
         if self.critic is not None:
             self.critic.save_checkpoint(os.path.join(folder, "critic"), tag="ds")
         torch.save(rng_state(policy.on_gpu), os.path.join(learner_dir, f"rng_rank{self.rank}.pt"))
         if policy.lora:
             self._save_lora(folder)
-        reference = (engines.full_state(engines.unwrapped(policy.ref_model), zero_stage, keep=self.rank == 0)
-                     if policy.ref_model is not None and policy.saves_reference else None)
+        if policy.ref_model is not None and policy.saves_reference:
+            self._write(engines.state_blocks(engines.unwrapped(policy.ref_model), zero_stage, self.rank == 0),
+                        os.path.join(folder, "reference"))
         if self.rank == 0:
-            if reference is not None:
-                torch.save(reference, os.path.join(folder, "reference.pt"))
             policy.module.config.save_pretrained(os.path.join(folder, "model"))
             self.tokenizer.save_pretrained(os.path.join(folder, "model"))
 
-    def _save_lora(self, folder: str) -> None:
-        """A LoRA policy's base (`base.pt`, the plain model's names; the frozen reference too)
-        and its adapter folder (`adapter/`, what `grpo export` writes)."""
-        state = engines.full_state(self.policy.module, self.policy.cfg.zero_stage, keep=self.rank == 0)
+    def _write(self, blocks, folder: str) -> None:
+        """Rank 0 writes the blocks as they come (a shard at a time); every other rank only
+        joins each block's gather."""
         if self.rank == 0:
-            base, _ = engines.split_state(state)
-            torch.save(base, os.path.join(folder, "base.pt"))
-            self.policy.module.save_pretrained(os.path.join(folder, "adapter"), state_dict=state)
+            state_files.write(folder, blocks)
+        else:
+            collections.deque(blocks, maxlen=0)
+
+    def _lora_blocks(self, adapters: dict, merge: bool = False):
+        """The LoRA policy's base by the plain model's names (the adapters merged in if `merge`),
+        block by block; its adapters, by peft's names, gathered into `adapters` on the way."""
+        module = self.policy.module
+        for block in engines.state_blocks(module, self.policy.cfg.zero_stage, keep=self.rank == 0):
+            base, _ = engines.split_state(block)
+            adapters.update({k: v for k, v in block.items() if engines.LORA_MARK in k})
+            if merge:
+                base = engines.merged_state(base, engines.adapters_by_weight(block, module.peft_config["default"]))
+            yield base
+
+    def _save_lora(self, folder: str) -> None:
+        """A LoRA policy's base (`base/`, the plain model's names; the frozen reference too)
+        and its adapter folder (`adapter/`, what `grpo export` writes)."""
+        adapters = {}
+        self._write(self._lora_blocks(adapters), os.path.join(folder, "base"))
+        if self.rank == 0:
+            self.policy.module.save_pretrained(os.path.join(folder, "adapter"), state_dict=adapters)
 
     def load(self, folder: str) -> None:
         """Restore what `save` wrote: weights, optimizer, RNG, the reference model."""
         policy = self.policy
         learner_dir = os.path.join(folder, "learner")
-        lora_base = os.path.join(folder, "base.pt")
-        if os.path.exists(lora_base):  # memory-mapped: under ZeRO-3 a rank reads only its partitions' pages
-            policy.start_lora(torch.load(lora_base, map_location="cpu", mmap=True))
+        base = _saved_state(folder, "base")
+        if base is not None:
+            policy.start_lora(base)
         path, _ = policy.engine.load_checkpoint(learner_dir, tag="ds", load_optimizer_states=True,
                                                 load_lr_scheduler_states=True, load_module_strict=not policy.lora)
         if path is None:
@@ -63,31 +82,53 @@ class CheckpointState:
         set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False),
                       policy.on_gpu)
         if policy.algo.beta > 0 and policy.saves_reference:
-            # Memory-mapped: under ZeRO-3 a rank reads only its partitions' pages.
-            policy.load_reference(torch.load(os.path.join(folder, "reference.pt"), map_location="cpu", mmap=True))
+            policy.load_reference(_saved_state(folder, "reference"))
 
     def save_pretrained(self, folder: str, part: str = "merged") -> Optional[str]:
-        """Write the policy as a Hugging Face folder (rank 0 writes; every rank joins ZeRO-3's
-        gather). With LoRA, `part`: `merged`, the model with its adapters merged in and the
-        adapter folder (peft's save_pretrained) in `folder`/adapter; `adapter`, the adapter
-        folder alone; `base`, the base model alone."""
-        module = self.policy.module
-        state = engines.full_state(module, self.policy.cfg.zero_stage, keep=self.rank == 0)  # one parameter at a time
-        if self.rank != 0:
+        """Write the policy as a Hugging Face folder, a block at a time (rank 0 writes; every
+        rank joins ZeRO-3's gathers). With LoRA, `part`: `merged`, the model with its adapters
+        merged in and the adapter folder (peft's save_pretrained) in `folder`/adapter;
+        `adapter`, the adapter folder alone; `base`, the base model alone."""
+        module, keep = self.policy.module, self.rank == 0
+        adapters = {}
+        if not self.policy.lora:
+            self._write(engines.state_blocks(module, self.policy.cfg.zero_stage, keep), folder)
+        elif part == "adapter":
+            collections.deque(self._lora_blocks(adapters), maxlen=0)  # the base is not written
+        else:
+            self._write(self._lora_blocks(adapters, merge=part == "merged"), folder)
+        if not keep:
             return None
-        if self.policy.lora:
-            base, _ = engines.split_state(state)
-            if part != "base":
-                adapter_dir = folder if part == "adapter" else os.path.join(folder, "adapter")
-                module.save_pretrained(adapter_dir, state_dict=state)
-                self.tokenizer.save_pretrained(adapter_dir)
-                if part == "adapter":
-                    return folder
-                base = engines.merged_state(base, engines.adapters_by_weight(state, module.peft_config["default"]))
-            module, state = module.get_base_model(), base
-        module.save_pretrained(folder, state_dict=state)
+        if self.policy.lora and part != "base":
+            adapter_dir = folder if part == "adapter" else os.path.join(folder, "adapter")
+            module.save_pretrained(adapter_dir, state_dict=adapters)
+            self.tokenizer.save_pretrained(adapter_dir)
+            if part == "adapter":
+                return folder
+        _save_config(module.get_base_model() if self.policy.lora else module, folder)
         self.tokenizer.save_pretrained(folder)
         return folder
+
+
+def _saved_state(folder: str, name: str):
+    """A checkpoint's `name`/ folder of whole weights, read a tensor at a time (checkpoints of
+    earlier versions hold `name`.pt instead: memory-mapped, so under ZeRO-3 a rank reads only its
+    partitions' pages); None if it has neither."""
+    if state_files.exists(os.path.join(folder, name)):
+        return state_files.StateFiles(os.path.join(folder, name))
+    if os.path.exists(os.path.join(folder, f"{name}.pt")):
+        return torch.load(os.path.join(folder, f"{name}.pt"), map_location="cpu", mmap=True)
+    return None
+
+
+def _save_config(model, folder: str) -> None:
+    """What transformers' save_pretrained writes besides the weights: the config, stamped with
+    the weights' dtype and the model's class, and the generation config."""
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(folder)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
 
 
 def rng_state(on_gpu: bool) -> dict:

@@ -5,8 +5,10 @@ GPUs), with `learner.deepspeed` merged over it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Optional
+import re
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -240,23 +242,57 @@ def gathered(params, zero_stage: int):
 
 
 def full_state(module, zero_stage: int, keep: bool = True) -> Optional[dict]:
-    """The full weights on CPU; None on a rank that does not `keep` them. Under ZeRO-3 a
-    collective (every rank calls it) that gathers one parameter at a time: beyond its
-    partitions a rank holds one whole parameter at most, and the copies only if it keeps them."""
-    if zero_stage != 3:
-        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} if keep else None
-    import deepspeed
-
-    out, copies = {}, {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        if not hasattr(value, "ds_id"):  # a buffer: never partitioned
-            out[name] = value.detach().to("cpu", copy=True)
-            continue
-        if id(value) not in copies:  # a tied parameter is gathered and copied once
-            with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
-                copies[id(value)] = value.detach().to("cpu", copy=True) if keep else None
-        out[name] = copies[id(value)]
+    """The full weights on CPU; None on a rank that does not `keep` them (a collective under
+    ZeRO-3: every rank calls it). For small models and tests: what writes a model to disk
+    streams `state_blocks` instead, and never holds it whole."""
+    out = {}
+    for block in state_blocks(module, zero_stage, keep):
+        out.update(block)
     return out if keep else None
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def _blocks(names: List[str]) -> List[List[str]]:
+    """`names` in runs that share a numbered prefix (`model.layers.3.`: one transformer block,
+    its adapters included), every other name alone."""
+    runs: List[List[str]] = []
+    last = None
+    for name in names:
+        match = _BLOCK.match(name)
+        key = match.group(1) if match else None
+        if key is not None and key == last:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+        last = key
+    return runs
+
+
+def state_blocks(module, zero_stage: int, keep: bool = True) -> Iterator[Dict[str, "torch.Tensor"]]:
+    """The full weights on CPU one block at a time (`_blocks`: a transformer block and its
+    adapters, or one other tensor); empty dicts on a rank that does not `keep` them. Under
+    ZeRO-3 a collective (every rank iterates it to the end) that gathers one block at a time:
+    beyond its partitions a rank holds one whole block and, if it keeps them, the copies the
+    caller still holds. A tied weight is the same tensor object under each of its names."""
+    state = module.state_dict(keep_vars=True)
+    counts = collections.Counter(id(v) for v in state.values())
+    shared = {}  # the copy of each tensor that has several names, kept for its later names
+    for names in _blocks(list(state)):
+        todo = [state[n] for n in names if id(state[n]) not in shared]
+        with gathered(todo, zero_stage):
+            block = {}
+            for name in names:
+                value = state[name]
+                if id(value) in shared:
+                    copy = shared[id(value)]
+                else:
+                    copy = value.detach().to("cpu", copy=True) if keep else None
+                    if counts[id(value)] > 1:
+                        shared[id(value)] = copy
+                block[name] = copy
+        yield block if keep else {}
 
 
 # ---- LoRA (peft) ----------------------------------------------------------------------------
@@ -291,7 +327,7 @@ def _saves_no_frozen_alias(engine) -> None:
     """Make `save_checkpoint(exclude_frozen_parameters=True)` drop every frozen tensor. DeepSpeed
     drops the frozen parameters by their `named_parameters()` names, which name a tied weight
     once: a tied output head stayed in the adapters-only file as a second copy of the embedding
-    (vocabulary x hidden numbers; the base is saved apart, in `base.pt`)."""
+    (vocabulary x hidden numbers; the base is saved apart, in `base/`)."""
     whole = engine.module_state_dict
 
     def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):

@@ -86,13 +86,13 @@ class PolicyModel:
         self.ref_model = engines.AdaptersOff(self.engine) if self.algo.beta > 0 else None
 
     def load_reference(self, state: dict) -> None:
-        """pi_ref from a checkpoint's `reference.pt` (a LoRA policy's is its own base instead)."""
+        """pi_ref from a checkpoint's `reference/` (a LoRA policy's is its own base instead)."""
         self.ref_model = engines.reference_from_state(self.engine.module.config, state, self.ds_config, self.dtype,
                                                       self.device, self.on_gpu)
 
     @property
     def saves_reference(self) -> bool:
-        """Whether a checkpoint holds pi_ref apart (`reference.pt`): not with LoRA, whose
+        """Whether a checkpoint holds pi_ref apart (`reference/`): not with LoRA, whose
         reference is the saved base with its adapters off."""
         return not self.lora
 

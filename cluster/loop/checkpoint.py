@@ -5,8 +5,8 @@ Layout of one checkpoint, `<run>/checkpoints/step-000040/`:
 | path | written by | what |
 | --- | --- | --- |
 | `learner/` | every learner rank | DeepSpeed `save_checkpoint` (model, optimizer shards, RNG per rank) |
-| `reference.pt` | learner rank 0 | the frozen reference policy (when beta > 0; not with LoRA) |
-| `base.pt`, `adapter/` | learner rank 0 | with LoRA: the frozen base (also the reference) and the adapter folder; `learner/` then holds only the adapters and their optimizer |
+| `reference/` | learner rank 0 | the frozen reference policy (when beta > 0; not with LoRA), sharded safetensors written a block at a time (common/state_files.py) |
+| `base/`, `adapter/` | learner rank 0 | with LoRA: the frozen base (also the reference), as `reference/`, and the adapter folder; `learner/` then holds only the adapters and their optimizer |
 | `model/` | learner rank 0 | the model's config and tokenizer (what `grpo export` needs besides weights) |
 | `trainer_state.json` | the driver | step, policy version, prompt sampler position, driver RNGs |
 | `ahead_batches.pkl` | the driver, async mode | the scored batches made ahead of the learner (cluster/loop/batches.py) |
@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from common import state_files
 from common.errors import RunFailed
 from common.messages import STATE_FILE, TrainerState
 
@@ -262,7 +263,11 @@ def _export_lora(ckpt: Path, folder: str, merged: bool) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt / "model"), dtype=torch.float32)
-    model.load_state_dict(torch.load(ckpt / "base.pt", map_location="cpu"), strict=False)
+    if state_files.exists(str(ckpt / "base")):
+        base = state_files.StateFiles(str(ckpt / "base"))
+    else:  # a checkpoint of an earlier version
+        base = torch.load(ckpt / "base.pt", map_location="cpu")
+    model.load_state_dict(base, strict=False)
     model.tie_weights()
     PeftModel.from_pretrained(model, str(ckpt / "adapter")).merge_and_unload().save_pretrained(folder)
     AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(folder)

@@ -1,0 +1,51 @@
+"""Whole-model weights written a block at a time (common/state_files.py): shards cut at their
+size, a tied weight written once and answered under both names, and a folder transformers loads
+as the model it was written from."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common import state_files
+
+
+def test_blocks_become_shards_and_read_back_with_tied_names(tmp_path):
+    embedding = torch.randn(16, 8)
+    blocks = [{"embed.weight": embedding},
+              {"layers.0.a": torch.randn(8, 8), "layers.0.b": torch.arange(8, dtype=torch.int64)},
+              {"layers.1.a": torch.randn(8, 8).to(torch.bfloat16)},
+              {"head.weight": embedding}]
+    # 300 bytes a shard: the embedding (512 B) alone, layer 0 (320 B) alone, then layer 1.
+    state_files.write(str(tmp_path), iter(blocks), shard_bytes=300)
+    index = json.loads((tmp_path / state_files.INDEX).read_text())
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert index["aliases"] == {"head.weight": "embed.weight"} and "head.weight" not in index["weight_map"]
+    assert index["metadata"]["total_size"] == 16 * 8 * 4 + 8 * 8 * 4 + 8 * 8 + 8 * 8 * 2
+    read = state_files.StateFiles(str(tmp_path))
+    expected = {k: v for block in blocks for k, v in block.items()}
+    assert sorted(read) == sorted(expected) and len(read) == len(expected)
+    for name, value in expected.items():
+        assert read[name].dtype == value.dtype and torch.equal(read[name], value), name
+    with pytest.raises(KeyError):
+        read["missing"]
+
+
+def test_one_shard_is_named_as_transformers_names_it_and_loads(tmp_path):
+    """A tied Qwen2 written block by block (its output head the embedding) is one
+    model.safetensors that transformers loads to the same weights, the head tied again."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    state = model.state_dict(keep_vars=True)
+    state_files.write(str(tmp_path), ({name: value} for name, value in state.items()))
+    config.save_pretrained(tmp_path)
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
