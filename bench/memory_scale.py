@@ -240,16 +240,27 @@ def table(path: str) -> str:
     return "\n".join(rows)
 
 
+def _anon_mb(pid: int) -> float:
+    """A process's anonymous resident memory (RssAnon): what the kernel cannot drop under
+    pressure, unlike the pages of a memory-mapped checkpoint, which PSS counts too."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def job(overrides) -> dict:
     """A real `grpo train` with these overrides, its whole process tree's memory (the sum of
     each process's PSS, shared pages split between their sharers) sampled every 0.5 s: the
-    peak, by process name at that moment, and the run's start-of-run estimate line."""
+    peak, by process name at that moment, the peak of the summed anonymous memory, and the
+    run's start-of-run estimate line."""
     import subprocess
 
     import psutil
 
     cmd = [sys.executable, "-m", "cluster.train", *overrides]
-    start, peak, parts = time.time(), 0.0, {}
+    start, peak, parts, peak_anon = time.time(), 0.0, {}, 0.0
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -260,19 +271,22 @@ def job(overrides) -> dict:
             tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             break
+        anon = 0.0
         for p in tree:
             try:
                 name = " ".join(p.cmdline()[:2])[-60:]
                 now[f"{p.pid} {name}"] = p.memory_full_info().pss / 2**20
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                anon += _anon_mb(p.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
                 pass
+        peak_anon = max(peak_anon, anon)
         if sum(now.values()) > peak:
             peak, parts = sum(now.values()), now
         time.sleep(0.5)
     reader.join(timeout=10)
     estimate = [ln.strip() for ln in lines if "learner memory per rank" in ln]
     return {"overrides": overrides, "rc": proc.returncode, "wall_s": round(time.time() - start, 1),
-            "peak_pss_mb": round(peak), "at_peak_mb": {k: round(v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+            "peak_pss_mb": round(peak), "peak_anon_mb": round(peak_anon), "at_peak_mb": {k: round(v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
                                                       if v > 50},
             "estimate": estimate, "tail": [ln.rstrip() for ln in lines[-8:]],
             "loadavg": Path("/proc/loadavg").read_text().split()[:3]}

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
+from common.errors import RunFailed
 from common.messages import ChunkReport, RestartEvent
 from common.ray_utils import death_cause
 
@@ -108,21 +109,26 @@ def dispatch(actors: Sequence[Any], submit: Submit, items: Sequence[Any], size: 
     return out
 
 
-def call_when_up(method, timeout_s: float = 600.0, poll_s: float = 1.0) -> Any:
+def call_when_up(method, timeout_s: float = 600.0, poll_s: float = 1.0, what: str = "an actor") -> Any:
     """`ray.get(method.remote())` on an actor Ray may still be restarting.
 
     With `max_task_retries=0` Ray fails a call to a restarting actor at once
     (ActorUnavailableError) instead of queueing it: how long the restart takes (a fresh vLLM
     engine, a loaded machine) decides whether a plain call succeeds. Retry until it answers; a
-    dead actor (ActorDiedError) or the deadline raises."""
+    dead actor or the deadline ends the run in one line naming `what` (an engine killed by
+    Ray's memory monitor on every start never answers)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return ray.get(method.remote(), timeout=max(deadline - time.monotonic(), 0.1))
         except ray.exceptions.ActorUnavailableError:
             if time.monotonic() >= deadline:
-                raise
+                raise RunFailed(f"{what} did not come back within {timeout_s:g} s of its restart") from None
             time.sleep(poll_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RunFailed(f"{what} did not come back within {timeout_s:g} s of its restart") from None
+        except ray.exceptions.RayActorError as error:
+            raise RunFailed(f"{what} did not come back after its restart: {death_cause(error)}") from error
 
 
 def as_list(refs) -> List[ray.ObjectRef]:

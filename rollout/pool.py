@@ -75,7 +75,7 @@ class RolloutPool:
     def _restarted(self, index: int) -> None:
         """Wait for worker `index` to come back, then give it the current weights; it must then
         hold the channel's version before it generates again."""
-        call_when_up(self.workers[index].ready)
+        call_when_up(self.workers[index].ready, what=f"generation worker {index}")
         self.recover()
         versions = self.versions()
         if len(set(versions)) != 1:

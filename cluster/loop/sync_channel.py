@@ -129,8 +129,8 @@ class WeightSyncChannel:
             # every worker re-joins and the push runs again, once.
             started = time.monotonic()
             self.learner.leave_weight_sync()
-            for w in self.rollout.sync_members():
-                call_when_up(w.ready, self.timeout_s)
+            for i, w in enumerate(self.rollout.sync_members()):
+                call_when_up(w.ready, self.timeout_s, what=f"generation worker {i}")
             self._join()
             metrics = self._push(version)
             event = RestartEvent("generation worker", death_cause(died), self.rollout.worker_index(died),

@@ -33,9 +33,10 @@ def test_blocks_become_shards_and_read_back_with_tied_names(tmp_path):
         read["missing"]
 
 
-def test_one_shard_is_named_as_transformers_names_it_and_loads(tmp_path):
-    """A tied Qwen2 written block by block (its output head the embedding) is one
-    model.safetensors that transformers loads to the same weights, the head tied again."""
+@pytest.mark.parametrize("shard_bytes", [state_files.SHARD_BYTES, 5_000])
+def test_transformers_loads_what_was_written_block_by_block(tmp_path, shard_bytes):
+    """A tied Qwen2 written block by block (its output head the embedding), in one
+    model.safetensors or in several shards, is what transformers loads, the head tied again."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -43,9 +44,10 @@ def test_one_shard_is_named_as_transformers_names_it_and_loads(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     state = model.state_dict(keep_vars=True)
-    state_files.write(str(tmp_path), ({name: value} for name, value in state.items()))
+    state_files.write(str(tmp_path), ({name: value} for name, value in state.items()), shard_bytes)
     config.save_pretrained(tmp_path)
-    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == ["model.safetensors"] if shard_bytes == state_files.SHARD_BYTES else len(files) > 2, files
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
