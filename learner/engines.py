@@ -77,8 +77,9 @@ def zero3_bounds(model, config: dict) -> dict:
     and reused, 5e8 gradients per reduce bucket), sized for billion-parameter models: on a model
     smaller than that every parameter stays gathered from the forward to the backward and the
     bucket holds every gradient, so each rank holds whole copies after all. Here a rank keeps
-    about two blocks gathered, prefetches one, and reduces gradients a block at a time. A value
-    set in `learner.deepspeed.zero_optimization` wins."""
+    about two blocks gathered, prefetches one, reduces gradients a block at a time and steps
+    the optimizer over a block's partitions at a time. A value set in
+    `learner.deepspeed.zero_optimization` wins."""
     if zero_stage(config) != 3:
         return config
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -88,8 +89,15 @@ def zero3_bounds(model, config: dict) -> dict:
 
     blocks = [numel(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     block = max(blocks) if blocks else numel(model)
+    # The optimizer's sub-groups, about a block's partitions each: for each sub-group's step
+    # DeepSpeed copies its gradient partitions into a buffer as large as the largest sub-group
+    # (beside the partitions it accumulates them in), and one sub-group of the whole model (its
+    # default) made that buffer a second copy of every gradient partition (bench/memory_scale.py,
+    # ZeRO-3 at rest above its formula).
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     bounds = {"stage3_max_live_parameters": 2 * block, "stage3_max_reuse_distance": block,
-              "stage3_prefetch_bucket_size": block, "reduce_bucket_size": block}
+              "stage3_prefetch_bucket_size": block, "reduce_bucket_size": block,
+              "sub_group_size": max(1, block // world)}
     return deep_merge({"zero_optimization": bounds}, config)
 
 
