@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXCLUDES = [".venv", ".git", "runs", "wandb", "outputs", ".whl", ".pytest_cache", "__pycache__", "*.pyc",
             "*.egg-info", "docs"]
 """Never uploaded with the working directory: environments, run outputs, caches."""
-FORWARDED_ENV = ("WANDB_", "HF_", "HUGGING_FACE_", "VLLM_", "NCCL_", "GRPO_")
+FORWARDED_ENV = ("WANDB_", "HF_", "HUGGING_FACE_", "VLLM_", "NCCL_", "GRPO_", "MALLOC_")
 """Environment variables (by prefix) that the job gets from the submitting shell."""
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 

@@ -47,3 +47,13 @@ def test_submit_gives_the_job_a_stop_grace_that_fits_a_step_and_a_checkpoint(mon
     assert jobs.submit(None, overrides, follow=False) == 0
     (request,) = scripted.requests
     assert request["runtime_env"]["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == grace
+
+
+def test_the_job_gets_the_shells_settings_it_needs_and_no_others():
+    """Keys, caches and the allocator setting that the largest CPU runs need travel with the
+    job; the rest of the submitting shell does not."""
+    from cluster.cli.jobs import runtime_env
+
+    shell = {"WANDB_API_KEY": "k", "HF_HOME": "/h", "MALLOC_MMAP_THRESHOLD_": "1048576",
+             "MALLOC_TRIM_THRESHOLD_": "0", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "s"}
+    assert runtime_env(shell)["env_vars"] == {k: v for k, v in shell.items() if k not in ("HOME", "AWS_SECRET_ACCESS_KEY")}
