@@ -69,18 +69,20 @@ def test_a_killed_engine_leaves_no_process_and_its_restart_syncs(learners, syste
             channel.push(1)
             before = greedy_ids(pool.workers[0])
             actor = psutil.Process(ray.get(pool.workers[0].pid.remote()))
-            # A process's title is in its name (comm) and its command line (setproctitle writes
-            # both): a suite run on 2 busy cores once read the worker's name as `python`, so both
-            # are read, and again for a while, before calling the engine's processes missing.
+            # The engine core is a child of the actor and its worker a grandchild, besides
+            # multiprocessing's resource trackers and the reaper. Found by where they are, not by
+            # the titles vLLM gives them (`VLLM::EngineCore`, `VLLM::Worker`): two suite runs on 2
+            # busy cores read a worker untitled (`python ... spawn_main`) after it had served.
             deadline = time.monotonic() + 30
             while True:
-                engine = actor.children(recursive=True)
-                names = [f"{p.name()} {' '.join(p.cmdline())}" for p in engine]
-                found = any("VLLM::EngineCore" in n for n in names) and any("VLLM::Worker" in n for n in names)
+                engine = [p for p in actor.children(recursive=True)
+                          if not any(other in " ".join(p.cmdline()) for other in ("resource_tracker", "common.reaper"))]
+                layout = sorted("child" if p.ppid() == actor.pid else "grandchild" for p in engine)
+                found = layout == ["child", "grandchild"]
                 if found or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
-            assert found, names
+            assert found, [(p.pid, p.ppid(), p.name(), " ".join(p.cmdline())[-80:]) for p in engine]
             # SIGKILL, as the OOM killer or a crash ends it: `ray.kill` would go through the
             # worker's own exit, which kills its direct children itself.
             actor.send_signal(signal.SIGKILL)
