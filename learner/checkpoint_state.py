@@ -43,7 +43,12 @@ class CheckpointState:
         """Rank 0 writes the blocks as they come (a shard at a time); every other rank only
         joins each block's gather."""
         if self.rank == 0:
-            state_files.write(folder, blocks)
+            try:
+                state_files.write(folder, blocks)
+            except BaseException:
+                # A disk that filled: the other ranks still wait in the remaining blocks' gathers.
+                collections.deque(blocks, maxlen=0)
+                raise
         else:
             collections.deque(blocks, maxlen=0)
 
@@ -73,8 +78,17 @@ class CheckpointState:
         base = _saved_state(folder, "base")
         if base is not None:
             policy.start_lora(base)
-        path, _ = policy.engine.load_checkpoint(learner_dir, tag="ds", load_optimizer_states=True,
-                                                load_lr_scheduler_states=True, load_module_strict=not policy.lora)
+        try:
+            path, _ = policy.engine.load_checkpoint(learner_dir, tag="ds", load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True, load_module_strict=not policy.lora)
+        except ValueError as exc:
+            if "doesn't match the size" not in str(exc) or policy.cfg.zero_stage != 3:
+                raise
+            # Checkpoints written before ZeRO-3's optimizer was stepped a block at a time hold one
+            # optimizer sub-group (learner/engines.py, zero3_bounds).
+            raise RuntimeError(f"{learner_dir}: its optimizer state has other sub-groups than this run's; a "
+                               "checkpoint saved before sub-groups were a block each resumes with "
+                               "+learner.deepspeed.zero_optimization.sub_group_size=1e12") from exc
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {learner_dir}")
         if self.critic is not None:

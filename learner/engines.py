@@ -262,14 +262,25 @@ def full_state(module, zero_stage: int, keep: bool = True) -> Optional[dict]:
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
+def _block_key(name: str) -> Optional[str]:
+    """The numbered prefix (`model.layers.3`: one transformer block, its adapters included); for
+    a layer outside the blocks that peft wrapped (an adapted output head), the layer, so that
+    its weight and adapters come together; else None."""
+    match = _BLOCK.match(name)
+    if match:
+        return match.group(1)
+    for mark in (".base_layer.", LORA_MARK):
+        if mark in name:
+            return name.split(mark)[0]
+    return None
+
+
 def _blocks(names: List[str]) -> List[List[str]]:
-    """`names` in runs that share a numbered prefix (`model.layers.3.`: one transformer block,
-    its adapters included), every other name alone."""
+    """`names` in runs that share a `_block_key`, every other name alone."""
     runs: List[List[str]] = []
     last = None
     for name in names:
-        match = _BLOCK.match(name)
-        key = match.group(1) if match else None
+        key = _block_key(name)
         if key is not None and key == last:
             runs[-1].append(name)
         else:

@@ -51,3 +51,17 @@ def test_transformers_loads_what_was_written_block_by_block(tmp_path, shard_byte
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_block_is_a_transformer_layer_and_an_adapted_head_comes_with_its_adapters():
+    """What learner/engines.py gathers at once under ZeRO-3: a merged LoRA export needs a
+    weight and its adapters in the same block, also outside the numbered layers."""
+    from learner.engines import _blocks
+
+    embed, norm = "base_model.model.model.embed_tokens.weight", "base_model.model.model.norm.weight"
+    layer0 = ["base_model.model.model.layers.0.q.base_layer.weight", "base_model.model.model.layers.0.q.lora_A.default.weight",
+              "base_model.model.model.layers.0.q.lora_B.default.weight"]
+    layer1 = ["base_model.model.model.layers.1.q.weight"]
+    head = ["base_model.model.lm_head.base_layer.weight", "base_model.model.lm_head.lora_A.default.weight",
+            "base_model.model.lm_head.lora_B.default.weight"]
+    assert _blocks([embed, *layer0, *layer1, norm, *head]) == [[embed], layer0, layer1, [norm], head]
