@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -179,3 +180,19 @@ def copy_without_chat_template(model_path: str, target) -> None:
     config = json.loads((target / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (target / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# Actors for tests/integration/test_dispatch.py (a worker imports them from here: tests/ is on its path).
+class Silent:
+    """An engine killed by Ray's memory monitor at every start never answers its ready call."""
+
+    def ready(self):
+        time.sleep(60)
+
+
+class Broken:
+    def __init__(self):
+        raise OSError("disk full")
+
+    def ready(self):
+        return True

@@ -98,23 +98,3 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice
     with socket.socket() as s:
         s.bind(("", ports[0]))
 
-
-def test_an_actor_that_never_comes_back_ends_the_run_in_one_line(monkeypatch):
-    """An engine killed by Ray's memory monitor at every start never answers: the run ends with
-    a line naming it, not a GetTimeoutError's traceback."""
-    import pytest
-    import ray
-
-    from common import dispatch
-    from common.errors import RunFailed
-
-    class Ready:
-        def remote(self):
-            return None
-
-    def never(ref, timeout):
-        raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
-
-    monkeypatch.setattr(dispatch.ray, "get", never)
-    with pytest.raises(RunFailed, match=r"^generation worker 1 did not come back within 5 s of its restart$"):
-        dispatch.call_when_up(Ready(), 5, what="generation worker 1")
