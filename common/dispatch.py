@@ -117,16 +117,16 @@ def call_when_up(method, timeout_s: float = 600.0, poll_s: float = 1.0, what: st
     engine, a loaded machine) decides whether a plain call succeeds. Retry until it answers; a
     dead actor or the deadline ends the run in one line naming `what` (an engine killed by
     Ray's memory monitor on every start never answers)."""
-    deadline = time.monotonic() + timeout_s
+    deadline, late = time.monotonic() + timeout_s, f"{what} did not come back within {timeout_s:g} s of its restart"
     while True:
         try:
             return ray.get(method.remote(), timeout=max(deadline - time.monotonic(), 0.1))
         except ray.exceptions.ActorUnavailableError:
             if time.monotonic() >= deadline:
-                raise RunFailed(f"{what} did not come back within {timeout_s:g} s of its restart") from None
+                raise RunFailed(late) from None
             time.sleep(poll_s)
         except ray.exceptions.GetTimeoutError:
-            raise RunFailed(f"{what} did not come back within {timeout_s:g} s of its restart") from None
+            raise RunFailed(late) from None
         except ray.exceptions.RayActorError as error:
             raise RunFailed(f"{what} did not come back after its restart: {death_cause(error)}") from error
 

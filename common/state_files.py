@@ -38,18 +38,23 @@ class ShardWriter:
         self._pending: Dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._written: List[List[str]] = []  # the names in each shard written so far
+        self._names: set = set()  # every name given, written or aliased
         self.aliases: Dict[str, str] = {}
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or name in self.aliases or any(name in s for s in self._written):
+        if name in self._names:
             raise ValueError(f"{name} written twice")
+        self._names.add(name)
         self._pending[name] = tensor.detach().contiguous()
         self._pending_bytes += tensor.numel() * tensor.element_size()
         if self._pending_bytes >= self.shard_bytes:
             self._flush()
 
     def alias(self, name: str, target: str) -> None:
+        if name in self._names:
+            raise ValueError(f"{name} written twice")
+        self._names.add(name)
         self.aliases[name] = target
 
     def _flush(self) -> None:
@@ -93,23 +98,15 @@ def write(folder: str, blocks: Iterator[Dict[str, torch.Tensor]], shard_bytes: i
 
 
 class StateFiles(Mapping):
-    """A folder written by `write` (or any sharded or single-file safetensors model folder) as a
-    read-only state dict: each tensor is read from its memory-mapped file when asked for, so a
-    ZeRO-3 rank that copies its partition out of each holds one whole tensor at most."""
+    """A folder written by `write` as a read-only state dict: each tensor is read from its
+    memory-mapped file when asked for, so a ZeRO-3 rank that copies its partition out of each
+    holds one whole tensor at most."""
 
     def __init__(self, folder: str):
         self.folder = folder
-        index_path = os.path.join(folder, INDEX)
-        if os.path.exists(index_path):
-            with open(index_path) as f:
-                index = json.load(f)
-            self._files, self._aliases = dict(index["weight_map"]), dict(index.get("aliases", {}))
-        else:
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
-                self._files = {name: "model.safetensors" for name in f.keys()}
-            self._aliases = {}
+        with open(os.path.join(folder, INDEX)) as f:
+            index = json.load(f)
+        self._files, self._aliases = dict(index["weight_map"]), dict(index.get("aliases", {}))
         self._open: Dict[str, object] = {}
 
     def _handle(self, file: str):
@@ -135,3 +132,15 @@ class StateFiles(Mapping):
 
 def exists(folder: str) -> bool:
     return os.path.exists(os.path.join(folder, INDEX))
+
+
+def saved(folder: str, name: str):
+    """A checkpoint's `name`/ folder of whole weights as a `StateFiles`; checkpoints of earlier
+    versions hold `name`.pt instead (memory-mapped, so under ZeRO-3 a rank reads only its
+    partitions' pages). None if it has neither."""
+    path = os.path.join(folder, name)
+    if exists(path):
+        return StateFiles(path)
+    if os.path.exists(f"{path}.pt"):
+        return torch.load(f"{path}.pt", map_location="cpu", mmap=True)
+    return None

@@ -58,7 +58,7 @@ class CheckpointState:
         module = self.policy.module
         for block in engines.state_blocks(module, self.policy.cfg.zero_stage, keep=self.rank == 0):
             base, _ = engines.split_state(block)
-            adapters.update({k: v for k, v in block.items() if engines.LORA_MARK in k})
+            adapters.update({k: v for k, v in block.items() if engines.is_adapter(k)})
             if merge:
                 base = engines.merged_state(base, engines.adapters_by_weight(block, module.peft_config["default"]))
             yield base
@@ -75,7 +75,7 @@ class CheckpointState:
         """Restore what `save` wrote: weights, optimizer, RNG, the reference model."""
         policy = self.policy
         learner_dir = os.path.join(folder, "learner")
-        base = _saved_state(folder, "base")
+        base = state_files.saved(folder, "base")
         if base is not None:
             policy.start_lora(base)
         try:
@@ -96,7 +96,7 @@ class CheckpointState:
         set_rng_state(torch.load(os.path.join(learner_dir, f"rng_rank{self.rank}.pt"), weights_only=False),
                       policy.on_gpu)
         if policy.algo.beta > 0 and policy.saves_reference:
-            policy.load_reference(_saved_state(folder, "reference"))
+            policy.load_reference(state_files.saved(folder, "reference"))
 
     def save_pretrained(self, folder: str, part: str = "merged") -> Optional[str]:
         """Write the policy as a Hugging Face folder, a block at a time (rank 0 writes; every
@@ -107,8 +107,9 @@ class CheckpointState:
         adapters = {}
         if not self.policy.lora:
             self._write(engines.state_blocks(module, self.policy.cfg.zero_stage, keep), folder)
-        elif part == "adapter":
-            collections.deque(self._lora_blocks(adapters), maxlen=0)  # the base is not written
+        elif part == "adapter":  # only the adapters are gathered
+            for block in engines.state_blocks(module, self.policy.cfg.zero_stage, keep, only=engines.is_adapter):
+                adapters.update(block)
         else:
             self._write(self._lora_blocks(adapters, merge=part == "merged"), folder)
         if not keep:
@@ -122,17 +123,6 @@ class CheckpointState:
         _save_config(module.get_base_model() if self.policy.lora else module, folder)
         self.tokenizer.save_pretrained(folder)
         return folder
-
-
-def _saved_state(folder: str, name: str):
-    """A checkpoint's `name`/ folder of whole weights, read a tensor at a time (checkpoints of
-    earlier versions hold `name`.pt instead: memory-mapped, so under ZeRO-3 a rank reads only its
-    partitions' pages); None if it has neither."""
-    if state_files.exists(os.path.join(folder, name)):
-        return state_files.StateFiles(os.path.join(folder, name))
-    if os.path.exists(os.path.join(folder, f"{name}.pt")):
-        return torch.load(os.path.join(folder, f"{name}.pt"), map_location="cpu", mmap=True)
-    return None
 
 
 def _save_config(model, folder: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import re
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -289,13 +289,17 @@ def _blocks(names: List[str]) -> List[List[str]]:
     return runs
 
 
-def state_blocks(module, zero_stage: int, keep: bool = True) -> Iterator[Dict[str, "torch.Tensor"]]:
+def state_blocks(module, zero_stage: int, keep: bool = True,
+                 only: Optional[Callable[[str], bool]] = None) -> Iterator[Dict[str, "torch.Tensor"]]:
     """The full weights on CPU one block at a time (`_blocks`: a transformer block and its
-    adapters, or one other tensor); empty dicts on a rank that does not `keep` them. Under
-    ZeRO-3 a collective (every rank iterates it to the end) that gathers one block at a time:
-    beyond its partitions a rank holds one whole block and, if it keeps them, the copies the
-    caller still holds. A tied weight is the same tensor object under each of its names."""
+    adapters, or one other tensor), only the names `only` accepts if given; empty dicts on a
+    rank that does not `keep` them. Under ZeRO-3 a collective (every rank iterates it to the
+    end) that gathers one block at a time: beyond its partitions a rank holds one whole block
+    and, if it keeps them, the copies the caller still holds. A tied weight is the same tensor
+    object under each of its names."""
     state = module.state_dict(keep_vars=True)
+    if only is not None:
+        state = {name: value for name, value in state.items() if only(name)}
     counts = collections.Counter(id(v) for v in state.values())
     shared = {}  # the copy of each tensor that has several names, kept for its later names
     for names in _blocks(list(state)):
@@ -316,6 +320,10 @@ def state_blocks(module, zero_stage: int, keep: bool = True) -> Iterator[Dict[st
 
 # ---- LoRA (peft) ----------------------------------------------------------------------------
 LORA_MARK = ".lora_"
+
+
+def is_adapter(name: str) -> bool:
+    return LORA_MARK in name
 
 
 def lora_config(cfg, base_path: Optional[str] = None):

@@ -263,11 +263,7 @@ def _export_lora(ckpt: Path, folder: str, merged: bool) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt / "model"), dtype=torch.float32)
-    if state_files.exists(str(ckpt / "base")):
-        base = state_files.StateFiles(str(ckpt / "base"))
-    else:  # a checkpoint of an earlier version
-        base = torch.load(ckpt / "base.pt", map_location="cpu")
-    model.load_state_dict(base, strict=False)
+    model.load_state_dict(state_files.saved(str(ckpt), "base"), strict=False)
     model.tie_weights()
     PeftModel.from_pretrained(model, str(ckpt / "adapter")).merge_and_unload().save_pretrained(folder)
     AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(folder)
