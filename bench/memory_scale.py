@@ -10,7 +10,7 @@ shape. Each rank reports, as JSON lines on stdout:
 - `step_rise_mb`: how far the peak rose above the RSS just before the measured step (the
   kernel's peak, VmHWM, reset first), the step's own working memory: activations, logits,
   gradients, optimizer state first touched;
-- `step_s`: the measured step's seconds;
+- `step_seconds`: each step's seconds (`step_s`: the last's);
 - `phases_mb`: for the engines' start, the reference's snapshot and each step, the peak RSS
   during it (reset at its start) and the RSS after it.
 
@@ -21,8 +21,8 @@ shape. Each rank reports, as JSON lines on stdout:
 `--zero 3`); `tensor_mb` (parameters, the trained ones' gradients, optimizer state, reference)
 and `push_mb` against `full_push_mb` say what LoRA saves. `formula` is learner/memory_plan.py's
 estimate of the same parts. `--sweep 25M 100M ...` runs each size in each layout (`--layouts`),
-one JSON line per run (appended to `--output`); `--malloc` runs the ranks with a fixed glibc
-mmap threshold.
+one JSON line per run (appended to `--output`); `--allocator` sets the ranks' C allocator
+(ALLOCATORS).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _rank(rank: int, port: int, path: str, args, out) -> None:
     baseline = _status_mb("VmRSS")
     cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=args.zero, minibatches=1, num_threads=args.threads,
                         max_tokens_per_microbatch=args.budget, gradient_checkpointing=args.checkpointing,
-                        lora=LoraConfig(rank=args.lora))
+                        lora=LoraConfig(rank=args.lora), deepspeed=json.loads(args.deepspeed))
     phases = {}  # phase -> [peak, resident after] in MB (the peak reset before each phase)
     # As a run without warm-up: the adapters' engine straight away (--full-first: the whole
     # model's engine first, as a warm-up leaves it, then the adapters' at the snapshot).
@@ -88,14 +88,16 @@ def _rank(rank: int, port: int, path: str, args, out) -> None:
     learner.snapshot_reference()
     phases["reference"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
     groups = _groups(args, rank)
+    seconds = []
     for step in range(args.steps):
         _reset_peak()
         before, start = _status_mb("VmRSS"), time.perf_counter()
         metrics = learner.train_on(groups, temperature=1.0, lr=1e-5)
-        seconds = time.perf_counter() - start
+        seconds.append(time.perf_counter() - start)
         phases[f"step{step + 1}"] = [_status_mb("VmHWM"), _status_mb("VmRSS")]
     out.put({"rank": rank, "learner_peak_memory_mb": metrics["learner_peak_memory_mb"], "baseline_mb": baseline,
-             "step_rise_mb": phases[f"step{args.steps}"][0] - before, "step_s": seconds,
+             "step_rise_mb": phases[f"step{args.steps}"][0] - before, "step_s": seconds[-1],
+             "step_seconds": [round(t, 3) for t in seconds],
              "micro_batches": metrics["micro_batches"], "loss": metrics["loss"],
              "phases_mb": {k: [round(v) for v in pair] for k, pair in phases.items()}, **_tensors(learner)})
 
@@ -157,9 +159,11 @@ SIZES = {"25M": (512, 6, 8, 2048), "100M": (1024, 6, 16, 4096), "300M": (1024, 1
 """--sweep's sizes: hidden, layers, heads, MLP width (float32, the built-in vocabulary of a few hundred)."""
 LAYOUTS = {"zero2": ["--zero", "2"], "zero3": ["--zero", "3"], "zero3+gc": ["--zero", "3", "--checkpointing"],
            "zero3+lora": ["--zero", "3", "--lora", "16"]}
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "0"}
-"""--malloc: glibc returns freed blocks of 1 MB and more to the kernel at once (ZeRO-3 frees a
-gathered block per layer; with the default, dynamic threshold those stay in the process)."""
+ALLOCATORS = ("product", "glibc", "release")
+"""--allocator: the ranks' C allocator settings as `grpo train` starts them (learner/peak_memory.py's
+allocator_env for this layout: ZeRO-3 on CPU returns freed memory), glibc's defaults, or freed
+memory returned (RETURN_FREED_MEMORY) whatever the layout. Rows of earlier runs marked `malloc`
+had MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=0 without huge pages."""
 
 
 def run_once(args) -> dict:
@@ -172,8 +176,15 @@ def run_once(args) -> dict:
     path = build_tiny_model(ModelConfig(cache_dir=args.cache, hidden_size=args.hidden, num_layers=args.layers,
                                         num_heads=args.heads, intermediate_size=args.inter,
                                         max_position_embeddings=max(256, args.prompt_len + args.completion + 1)))
-    if args.malloc:
-        os.environ.update(MALLOC)  # read by glibc when each spawned rank starts
+    from common.config import LearnerConfig
+    from learner.peak_memory import RETURN_FREED_MEMORY, allocator_env
+
+    for name in RETURN_FREED_MEMORY:
+        os.environ.pop(name, None)
+    cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=args.zero,
+                        return_freed_memory={"product": None, "glibc": False, "release": True}[args.allocator])
+    args.allocator_env = allocator_env(cfg)
+    os.environ.update(args.allocator_env)  # read by glibc when each spawned rank starts
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -212,6 +223,16 @@ def sweep(args) -> None:
                     f.write(json.dumps(result) + "\n")
 
 
+def step_seconds(ranks: list) -> float:
+    """The median step's seconds after the first (which allocates the optimizer's state); rows
+    of earlier runs have the last step's only."""
+    import statistics
+
+    if "step_seconds" not in ranks[0]:
+        return sum(r["step_s"] for r in ranks) / len(ranks)
+    return statistics.median(t for r in ranks for t in r["step_seconds"][1:] or r["step_seconds"])
+
+
 def table(path: str) -> str:
     """The markdown table of a --sweep's JSON lines: per run the mean over its ranks."""
     head = ("| size | layout | completion tokens | peak per rank MB | above baseline MB | formula: state + activations MB "
@@ -229,13 +250,16 @@ def table(path: str) -> str:
             return sum(r[key] for r in ranks) / len(ranks)
         above = mean("learner_peak_memory_mb") - mean("baseline_mb")
         paper = f["total_mb"] + f["activations_mb"]
-        layout = run["layout"] + (" (malloc)" if run["setting"].get("malloc") else "")
+        layout = run["layout"] + (" (malloc)" if run["setting"].get("malloc") else
+                                  " (freed memory returned)" if run["setting"].get("allocator_env") else "")
         if run["setting"].get("full_first"):
             layout += ", full engine first"
+        if run["setting"].get("deepspeed", "{}") != "{}":
+            layout += f", learner.deepspeed={run['setting']['deepspeed']}"
         rows.append(f"| {run['size']} ({f['params'] / 1e6:.1f} M) | {layout} | {run['setting']['completion']} "
                     f"| {mean('learner_peak_memory_mb'):,.0f} | {above:,.0f} | {f['total_mb']:,.0f} + "
                     f"{f['activations_mb']:,.0f} | {above / paper:.2f} | {mean('tensor_mb'):,.0f} | {f['total_mb']:,.0f} "
-                    f"| {mean('step_rise_mb'):,.0f} | {mean('step_s'):.1f} | {mean('push_mb'):,.1f} "
+                    f"| {mean('step_rise_mb'):,.0f} | {step_seconds(ranks):.1f} | {mean('push_mb'):,.1f} "
                     f"of {mean('full_push_mb'):,.1f} | {run['loadavg'][0]} |")
     return "\n".join(rows)
 
@@ -302,7 +326,9 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, help="learner.lora.rank (0: full fine-tuning)")
     parser.add_argument("--full-first", action="store_true",
                         help="with --lora: build the whole model's engine first, as after a warm-up")
-    parser.add_argument("--malloc", action="store_true", help=f"the ranks run with {MALLOC}")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="product",
+                        help="the ranks' C allocator settings: as grpo train sets them, glibc's, or freed memory returned")
+    parser.add_argument("--deepspeed", default="{}", help="learner.deepspeed (JSON), merged over the generated config")
     parser.add_argument("--sweep", nargs="*", choices=list(SIZES), default=[],
                         help="run each of these sizes in each --layouts (other flags apply to every run)")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))

@@ -358,11 +358,18 @@ class RolloutConfig(Section):
     or None. Each session is trained on exactly the tokens the sampler produced
     (docs: tools and agents). Imported from the working directory too."""
     agent_concurrency: int = 8
-    """Agents running at once per generation worker, each in a process of its own."""
+    """Agent episodes running at once per generation worker: a `def` agent's each in a process
+    of its own, an `async def` agent's `agent_episodes_per_process` to a process."""
+    agent_episodes_per_process: int = 8
+    """Episodes of an `async def` agent that share one process's event loop (a `def` agent runs
+    one per process). Fewer processes for the same concurrency: less memory, less start-up and
+    less CPU per request (bench/agent_throughput.py). An episode past the time limit is
+    cancelled; one that blocks the event loop instead stalls the process's other episodes, and
+    the process is stopped with all of them."""
     agent_timeout_s: float = 60.0
     """Wall-clock limit of one agent's episode, from the moment its process is ready (the agent's
-    module loaded); past it the agent's process is killed and the episode is scored 0 (counted
-    as `agent_timeouts`)."""
+    module loaded); past it the episode ends (a `def` agent's process is killed) and is scored 0
+    (counted as `agent_timeouts`)."""
     endpoint_host: str = "127.0.0.1"
     """Address the agents' endpoint listens on: loopback (agents run beside the engine), or the
     node's address for agents elsewhere."""
@@ -404,6 +411,7 @@ class RolloutConfig(Section):
         at_least("rollout.max_episode_tokens", self.max_episode_tokens, 0)
         at_least("rollout.tool_max_output_chars", self.tool_max_output_chars, 1)
         at_least("rollout.agent_concurrency", self.agent_concurrency, 1)
+        at_least("rollout.agent_episodes_per_process", self.agent_episodes_per_process, 1)
         at_least("rollout.endpoint_max_request_kb", self.endpoint_max_request_kb, 1)
         if self.agent_timeout_s <= 0:
             raise ConfigError(f"rollout.agent_timeout_s must be above 0 (got {self.agent_timeout_s})")
@@ -520,6 +528,14 @@ class LearnerConfig(Section):
     time (the measured trade: the report of bench/memory_scale.py)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (peft) for GRPO, and what the weight push sends with them."""
+    return_freed_memory: Optional[bool] = None
+    """Start the learner ranks with glibc set to return freed blocks of 1 MiB and more to the
+    system at once, on transparent huge pages (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+    GLIBC_TUNABLES; one already set in the environment wins). ZeRO-3 gathers and frees every
+    block's parameters twice a step, and glibc's default keeps what is freed: a CPU rank's peak
+    grows step after step. None (the default): on for ZeRO-3 ranks without GPUs; off otherwise
+    (ZeRO-2 keeps its blocks, and gains little). The measured trade: the report of
+    bench/memory_scale.py."""
 
     def check(self, name: str = "learner") -> None:
         super().check(name)

@@ -12,6 +12,7 @@ from common.errors import RunFailed
 from common.ray_utils import actor_index, death_cause, first_death, free_port, node_ip
 from learner.actor import LearnerRank
 from learner.metrics import combine_metrics
+from learner.peak_memory import allocator_env
 
 
 class LearnerError(RunFailed):
@@ -63,6 +64,9 @@ class LearnerGroup:
         actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(rank_class)
         world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
+        allocator = allocator_env(cfg)
+        if allocator:  # merged into the job's environment variables by Ray
+            options = [{**o, "runtime_env": {"env_vars": allocator}} for o in options]
         master_addr, master_port = _rendezvous(options[0])
         self.ranks = [
             actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, cfg, algo,

@@ -196,3 +196,11 @@ class Broken:
 
     def ready(self):
         return True
+
+
+class EnvProbe:
+    """Stands in for a LearnerRank in a LearnerGroup (tests/integration/test_learner_memory.py):
+    takes a rank's arguments and keeps the environment its process started with."""
+
+    def __init__(self, *args):
+        self.env = dict(os.environ)

@@ -1,11 +1,17 @@
 """A real learner step (DeepSpeed on the CPU) at Qwen2.5's 151,936-token vocabulary: its memory
-follows the micro-batch token budget, not the batch (learner/logprobs.py, every forward micro-batched)."""
+follows the micro-batch token budget, not the batch (learner/logprobs.py, every forward micro-batched);
+and the C allocator settings a learner rank's process starts with."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import ray
+
+from helpers import EnvProbe
 
 SCENARIO = str(Path(__file__).with_name("memory_scenario.py"))
 
@@ -29,3 +35,26 @@ def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_p
     assert large["micro_batches"] == 4 and small["micro_batches"] == 2
     assert small["rise_bytes"] <= bound and large["rise_bytes"] <= bound, out
     assert large["rise_bytes"] <= small["rise_bytes"] + budget * vocab * 4 / 2, out
+
+
+@pytest.mark.parametrize("zero_stage, returned", [(3, True), (2, False)])
+def test_zero3_ranks_on_cpus_start_with_freed_memory_returned(ray_session, zero_stage, returned):
+    """Ray starts each rank's process with learner/peak_memory.py's glibc settings under ZeRO-3
+    (merged into the job's environment variables, which the ranks keep), and without them under
+    ZeRO-2."""
+    from cluster.loop.launch import ACTOR_ENV
+    from common.config import AlgoConfig, LearnerConfig
+    from learner.group import LearnerGroup
+    from learner.peak_memory import RETURN_FREED_MEMORY
+
+    cfg = LearnerConfig(num_ranks=2, zero_stage=zero_stage, num_cpus_per_rank=0)
+    group = LearnerGroup("no model", cfg, AlgoConfig(), 8, 0, rank_class=EnvProbe)
+    try:
+        envs = ray.get([rank.__ray_call__.remote(lambda probe: probe.env) for rank in group.ranks])
+    finally:
+        for rank in group.ranks:
+            ray.kill(rank)
+    for env in envs:
+        assert ACTOR_ENV.items() <= env.items()
+        assert (RETURN_FREED_MEMORY.items() <= env.items()) == returned
+        assert returned or not RETURN_FREED_MEMORY.keys() & env.keys()

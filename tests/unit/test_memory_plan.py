@@ -100,3 +100,17 @@ def test_plan_table_lists_every_layout(model, capsys):
     main(["--model", model, "--gpus", "8", "--gpu-gb", "80"])
     out = capsys.readouterr().out
     assert all(f"| {name} |" in out for name in LAYOUTS)
+
+
+def test_freed_memory_is_returned_by_default_only_for_zero3_ranks_on_cpus(monkeypatch):
+    from learner.peak_memory import RETURN_FREED_MEMORY, allocator_env
+
+    for name in RETURN_FREED_MEMORY:
+        monkeypatch.delenv(name, raising=False)
+    assert allocator_env(LearnerConfig(zero_stage=3)) == RETURN_FREED_MEMORY
+    assert allocator_env(LearnerConfig(zero_stage=2)) == {}
+    assert allocator_env(LearnerConfig(zero_stage=3, num_gpus_per_rank=1)) == {}
+    assert allocator_env(LearnerConfig(zero_stage=2, return_freed_memory=True)) == RETURN_FREED_MEMORY
+    assert allocator_env(LearnerConfig(zero_stage=3, return_freed_memory=False)) == {}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own choice wins
+    assert "MALLOC_MMAP_THRESHOLD_" not in allocator_env(LearnerConfig(zero_stage=3))
