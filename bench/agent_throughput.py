@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/agent_throughput.py [--steps 6] [--warmup-steps 300 | --model DIR] [--output-dir runs/bench] \
         [overrides...]
+    .venv/bin/python bench/agent_throughput.py --client-floor
 
 On the multiplication task with the model for agents: one `grpo train data=mul_agent` run
 whose supervised warm-up teaches the model the calculator's call (its final_model is then the
@@ -11,6 +12,8 @@ from that model with no warm-up, `--steps` GRPO steps each of
 - `agent`: every sample an episode of examples/calculator_agent.py (offering the loop's own
   schema of the calculator: same_schema_agent), which talks to its
   session of a generation worker's OpenAI-compatible endpoint with the `openai` client;
+- `async agent`: the same as an `async def` (examples/calculator_agent.py's run_async), whose
+  episodes share the agent processes (rollout.agent_episodes_per_process);
 - `loop`: the built-in episode loop doing the same calls in the same format
   (`rollout.tool_format=hermes`, the calculator as a tool in the chat template's tools section).
 
@@ -19,11 +22,17 @@ per second of generation (tool results excluded: the episode loop counts them in
 completion_tokens and reports their share), turns per episode, and the agent's ratio to the loop.
 The two runs' samples differ (the agent's tool description is its own, and a call's result is
 read by the agent's parser or the loop's), so the turns per episode are printed beside the rates.
+
+Beside the rates, each run's CPU seconds a step (generation workers, agent processes: read from
+/proc) and, from them, the ratio an endpoint that cost nothing would reach: the loop's sampling
+CPU over that plus the agents' own. `--client-floor` measures what the `openai` client alone
+costs a request against a bare FastAPI server answering a fixed reply.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,9 +49,44 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+ROLES = {"generation workers": "ray::GenerationWorker", "agent processes": "multiprocessing.forkserver",
+         "learner ranks": "ray::LearnerRank"}
+"""CPU time per step is summed over the processes whose command line holds these markers (an
+agent's process is forked from multiprocessing's fork server and keeps its command line)."""
+
+
+def cpu_seconds() -> dict:
+    """CPU seconds (user + system) used so far by the live processes of each of ROLES."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = dict.fromkeys(ROLES, 0.0)
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that ended meanwhile, or not a process
+        for role, marker in ROLES.items():
+            if marker in command:
+                totals[role] += (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
 def train(out: Path, name: str, *overrides: str) -> Path:
-    subprocess.run([GRPO, "train", *COMMON, f"trainer.output_dir={out}", f"trainer.run_name={name}", *overrides],
-                   check=True)
+    """One run; records in `cpu.json` the CPU seconds per step of each of ROLES over the steps
+    after the first (read when the first step's and the last step's metrics are written)."""
+    run = subprocess.Popen([GRPO, "train", *COMMON, f"trainer.output_dir={out}", f"trainer.run_name={name}",
+                            *overrides])
+    metrics, marks = out / name / "metrics.jsonl", []
+    while run.poll() is None:
+        steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if steps >= 1 and (not marks or steps > marks[-1][0]):
+            marks.append((steps, cpu_seconds()))
+        time.sleep(0.1)
+    if run.returncode:
+        raise subprocess.CalledProcessError(run.returncode, run.args)
+    (first, start), (last, end) = marks[0], marks[-1]
+    per_step = {role: (end[role] - start[role]) / max(last - first, 1) for role in ROLES}
+    (out / name / "cpu.json").write_text(json.dumps({"steps": [first, last], "cpu_s_per_step": per_step}) + "\n")
     return out / name
 
 
@@ -54,9 +98,11 @@ def rates(run_dir: Path) -> dict:
         return row["completion_tokens"] * (1.0 - row.get("observation_token_fraction", 0.0))
 
     per_step = [sampled(r) / r["time_generate"] for r in steady]
-    return {"tokens_per_s": statistics.median(per_step), "turns_mean": statistics.mean(r["turns_mean"] for r in steady),
+    cpu = json.loads((run_dir / "cpu.json").read_text())["cpu_s_per_step"]
+    return {"tokens_per_s": statistics.median(per_step), "cpu_s_per_step": cpu, "turns_mean": statistics.mean(r["turns_mean"] for r in steady),
             "sampled_tokens_per_step": statistics.mean(sampled(r) for r in steady),
-            "generate_s": statistics.median(r["time_generate"] for r in steady), "steps": len(steady)}
+            "generate_s": statistics.median(r["time_generate"] for r in steady), "steps": len(steady),
+            "requests": statistics.mean(r.get("agent_requests", 0.0) for r in steady)}
 
 
 def same_schema_agent(client, row, index):
@@ -71,6 +117,121 @@ def same_schema_agent(client, row, index):
     return calculator_agent.run(client, row, index)
 
 
+async def same_schema_agent_async(client, row, index):
+    """`same_schema_agent` as an `async def` (the example's run_async): several episodes share
+    each agent process (rollout.agent_episodes_per_process)."""
+    from common.tool_formats import tool_schemas
+    from examples import calculator_agent
+
+    calculator_agent.TOOLS = tool_schemas(["calculator"], {})
+    return await calculator_agent.run_async(client, row, index)
+
+
+CANNED = {"id": "c", "object": "chat.completion", "created": 0, "model": "policy", "choices": [
+    {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "t", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "123*456"}'}}]}}],
+    "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}}
+
+
+def _bare_server(port: int) -> None:
+    """A FastAPI app that answers every chat completion with CANNED: HTTP and JSON, nothing else."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    async def chat(session: str, request):
+        json.loads(await request.body())
+        return JSONResponse(CANNED)
+
+    async def cpu():
+        return {"cpu_s": time.process_time()}
+
+    from fastapi import Request  # a real class for FastAPI to read (annotations are strings here)
+
+    chat.__annotations__["request"] = Request
+    app.post("/s/{session}/v1/chat/completions")(chat)
+    app.get("/cpu")(cpu)
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def _floor_client(port: int, n: int, go, out) -> None:
+    """`n` requests of the example's first turn, a client per request as an agent process makes
+    one per episode; its CPU seconds to `out` once `go` says start (after a warm-up)."""
+    import openai
+
+    from common.tool_formats import tool_schemas
+
+    tools, messages = tool_schemas(["calculator"], {}), [{"role": "user", "content": "123*456="}]
+
+    def ask(i: int) -> None:
+        http = openai.DefaultHttpxClient(verify=tls)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/s/{i}/v1", api_key="k", max_retries=0, http_client=http)
+        client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=48)
+        http.close()
+
+    import ssl
+
+    tls = ssl.create_default_context()
+    try:
+        for i in range(10):
+            ask(i)
+        go.get()
+        start = time.process_time()
+        for i in range(n):
+            ask(i)
+        out.put(time.process_time() - start)
+    except BaseException:
+        out.put(None)  # the parent fails instead of waiting
+        raise
+
+
+def client_floor(processes: int, requests: int = 960) -> dict:
+    """CPU per request of the `openai` client in `processes` processes at once against a bare
+    server, and of that server: what HTTP costs an agent before any engine or session work."""
+    import multiprocessing as mp
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = mp.get_context("spawn").Process(target=_bare_server, args=(port,), daemon=True)
+    server.start()
+
+    def server_cpu() -> float:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/cpu") as reply:
+                    return json.loads(reply.read())["cpu_s"]
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("the bare server did not start")
+
+    server_cpu()
+    ctx = mp.get_context("forkserver")
+    gos, out = [ctx.Queue() for _ in range(processes)], ctx.Queue()
+    clients = [ctx.Process(target=_floor_client, args=(port, requests // processes, go, out)) for go in gos]
+    for client in clients:
+        client.start()
+    time.sleep(2 + 0.2 * processes)  # every client through its warm-up
+    before = server_cpu()
+    for go in gos:
+        go.put(True)
+    spent = [out.get() for _ in clients]
+    if None in spent:
+        raise RuntimeError("a client process failed (its traceback is above)")
+    client_s = sum(spent)
+    server_s = server_cpu() - before
+    for client in clients:
+        client.join()
+    server.kill()
+    n = requests // processes * processes
+    return {"processes": processes, "client_ms": 1000 * client_s / n, "server_ms": 1000 * server_s / n}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
@@ -79,8 +240,16 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="a model for agents already trained (a run's final_model): no warm-up run")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--client-floor", action="store_true",
+                        help="measure only the openai client's CPU per request against a bare server (1 and 32 processes)")
     parser.add_argument("overrides", nargs="*", help="more grpo train overrides (every run)")
     args = parser.parse_args()
+    if args.client_floor:
+        for processes in (1, 32):
+            floor = client_floor(processes)
+            print(f"{processes:2d} client processes: openai client {floor['client_ms']:.2f} ms of CPU a request, "
+                  f"bare FastAPI server {floor['server_ms']:.2f} ms")
+        return
     out = Path(args.output_dir) / f"agent-throughput-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.model is None:
         warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
@@ -88,6 +257,7 @@ def main() -> None:
     model = ["model=hf", f"model.path={args.model}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
     results = {}
     runs = {"agent": ["rollout.agent=bench.agent_throughput:same_schema_agent"],
+            "async agent": ["rollout.agent=bench.agent_throughput:same_schema_agent_async"],
             # The chat template as the endpoint renders every request (`auto` leaves a base
             # model's plain rows as they are: the loop's model then ends each episode at once).
             "loop": ["rollout.agent=null", "rollout.tools=[calculator]", "rollout.tool_format=hermes",
@@ -96,15 +266,30 @@ def main() -> None:
         before = load_average()
         results[name] = rates(train(out, name, *model, *extra, *args.overrides))
         results[name]["load_average"] = f"{before} -> {load_average()}"
-    results["ratio"] = results["agent"]["tokens_per_s"] / results["loop"]["tokens_per_s"]
+    agents = [name for name in runs if name != "loop"]
+    for name in agents:
+        results[name]["ratio"] = results[name]["tokens_per_s"] / results["loop"]["tokens_per_s"]
     lines = ["| | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
-             "per episode | load average (before -> after) |", "| --- | --- | --- | --- | --- | --- |"]
-    for name in ("agent", "loop"):
-        r = results[name]
+             "per episode | HTTP requests a step | CPU s a step: generation workers, agent processes | load average "
+             "(before -> after) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in runs:
+        r, cpu = results[name], results[name]["cpu_s_per_step"]
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} | {r['sampled_tokens_per_step']:.0f} "
-                     f"| {r['turns_mean']:.2f} | {r['load_average']} |")
+                     f"| {r['turns_mean']:.2f} | {r['requests']:.0f} | {cpu['generation workers']:.2f}, "
+                     f"{cpu['agent processes']:.2f} | {r['load_average']} |")
     print("\n".join(lines))
-    print(f"agent / loop: {results['ratio']:.2f}")
+    engine = results["loop"]["cpu_s_per_step"]["generation workers"]
+    for name in agents:
+        # Generation is CPU-bound here: the same sampling work (the loop's workers) plus what
+        # the agents' own processes spend bounds the ratio even for an endpoint that cost nothing.
+        agent = results[name]
+        clients = agent["cpu_s_per_step"]["agent processes"]
+        server = agent["cpu_s_per_step"]["generation workers"] - engine
+        agent["ceiling_free_endpoint"] = engine / (engine + clients)
+        print(f"{name} / loop: {agent['ratio']:.2f}. CPU per request: agent processes "
+              f"{1000 * clients / agent['requests']:.2f} ms, generation workers beyond the loop's "
+              f"{1000 * server / agent['requests']:.2f} ms; the ratio with an endpoint that cost nothing: "
+              f"{agent['ceiling_free_endpoint']:.2f}")
     if args.output:
         Path(args.output).write_text(json.dumps({"command": sys.argv, **results}, indent=1) + "\n")
 

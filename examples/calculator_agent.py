@@ -59,6 +59,14 @@ def _result(call) -> str:
     return calculator(expression) if isinstance(expression, str) else "error: no expression"
 
 
+def _answered(messages: list, message) -> list:
+    """The conversation with the model's reply (its tool calls) and each call's result."""
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+             for c in message.tool_calls]
+    return messages + [{"role": "assistant", "content": message.content, "tool_calls": calls}] + [
+        {"role": "tool", "tool_call_id": c.id, "content": _result(c)} for c in message.tool_calls]
+
+
 def run(client, row, index):
     """One episode: ask, answer each tool call, until the model replies without one."""
     messages = list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
@@ -67,12 +75,21 @@ def run(client, row, index):
         message = reply.choices[0].message
         if not message.tool_calls:
             return message.content
-        messages.append({"role": "assistant", "content": message.content,
-                         "tool_calls": [{"id": c.id, "type": "function",
-                                         "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                        for c in message.tool_calls]})
-        messages += [{"role": "tool", "tool_call_id": c.id, "content": _result(c)} for c in message.tool_calls]
+        messages = _answered(messages, message)
     return None  # still calling after MAX_CALLS: the verifiers read the transcript
 
 
-run.tools = TOOLS
+async def run_async(client, row, index):
+    """`run` for an `openai.AsyncOpenAI` client: the trainer runs several such episodes at once in
+    each agent process (rollout.agent_episodes_per_process)."""
+    messages = list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+    for _ in range(MAX_CALLS + 1):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=48)
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return message.content
+        messages = _answered(messages, message)
+    return None
+
+
+run.tools = run_async.tools = TOOLS

@@ -5,10 +5,13 @@ An agent is called once per sample as `function(client, row, index)`: an `async 
 the worker's endpoint (rollout/endpoint.py) with that session's key and nothing else of the run.
 It returns the final answer text, or None (the verifiers then read the transcript).
 
-Each agent runs in a process of a small pool (`rollout.agent_concurrency` of them, started once
-per worker and reused), so that an agent that hangs, even in C code or a busy loop, is killed at
-`rollout.agent_timeout_s` and its process replaced, and one that raises or exits ends only its
-own episode. The processes die with the worker (a parent-death signal).
+Agents run in a small pool of processes per worker, started once and reused: a `def` agent one
+episode per process (`rollout.agent_concurrency` processes), so that one that hangs, even in C
+code or a busy loop, is killed at `rollout.agent_timeout_s` and its process replaced, and one
+that raises or exits ends only its own episode; an `async def` agent
+`rollout.agent_episodes_per_process` episodes per process on its event loop, each cancelled at
+the time limit (one that blocks the loop instead stalls its process's other episodes, and the
+process is stopped with them). The processes die with the worker (a parent-death signal).
 
 An episode's time limit starts when its process is ready (interpreter, `openai` and the agent's
 module imported), not when the task is handed over: a cold pool of 32 processes importing on
@@ -30,7 +33,10 @@ from common.child import die_with_parent
 
 START_LIMIT_S = 300.0
 """How long an agent process may take to become ready before its task fails."""
-_READY = "ready"  # what a process sends once its agent is loaded
+_READY = "ready"  # what a process sends, with how many episodes it takes at once, once its agent is loaded
+ASYNC_GRACE_S = 2.0
+"""How long past an episode's time limit an `async def` agent's process may take to end it itself
+(it cancels the episode at the limit) before the pool stops the process."""
 
 # What an agent's process keeps of the worker's environment: no credentials of the run.
 _SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "WANDB", "RAY_", "AWS_", "HF_")
@@ -53,54 +59,115 @@ class AgentResult:
     timed_out: bool = False
 
 
-def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float) -> None:
-    """One agent process: load the function once, then run the tasks it is sent, one at a time."""
+def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float, per_process: int) -> None:
+    """One agent process: load the function once, then run the tasks it is sent: a `def` agent's
+    one at a time, an `async def` agent's up to `per_process` at once on one event loop. Tells
+    the pool, once ready, how many it takes at once."""
     die_with_parent()
     for name in list(os.environ):
         if any(marker in name.upper() for marker in _SECRET_MARKERS):
             os.environ.pop(name, None)
     import asyncio
-
-    import openai
+    import ssl
 
     from common.plugins import load_function
 
     fn = load_function(path, search_path)
-    asynchronous = inspect.iscoroutinefunction(fn)
-    # One HTTP client (and event loop) per process, not per episode: a new `openai` client builds
-    # its own httpx client and TLS context, 20-50 ms of CPU, more than the rest of an episode's
-    # requests cost the tiny model (bench/agent_throughput.py). Each episode still gets its own
-    # `openai` client with its session's URL and key; only the connection pool is shared.
-    loop = asyncio.new_event_loop() if asynchronous else None
-    new_http = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
-    http = new_http()
-    conn.send(_READY)
+    # Each episode gets its own HTTP client (an agent may close it: `with OpenAI(...)`), all on
+    # one TLS context built here: building it is most of a new client's cost, 20-50 ms of CPU,
+    # more than the rest of an episode's requests cost the tiny model (bench/agent_throughput.py).
+    tls = ssl.create_default_context()
+    if inspect.iscoroutinefunction(fn):
+        conn.send((_READY, per_process))
+        asyncio.run(_serve_async(conn, fn, tls, timeout_s))
+        return
+    conn.send((_READY, 1))
     while True:
         try:
             task: AgentTask = conn.recv()
         except EOFError:
             return
-        if http.is_closed:  # an agent closed its client (`with OpenAI(...)`): the pool went with it
-            http = new_http()
+        conn.send(_run_sync(fn, task, tls, timeout_s))
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def _run_sync(fn, task: AgentTask, tls, timeout_s: float) -> AgentResult:
+    import openai
+
+    http = openai.DefaultHttpxClient(verify=tls)
+    try:
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s,
+                               http_client=http)
+        answer = fn(client, task.row, task.index)
+        return AgentResult(task.task_id, None if answer is None else str(answer))
+    except BaseException as exc:  # the agent's own failure ends its episode, not the pool
+        return AgentResult(task.task_id, None, _one_line(exc))
+    finally:
+        http.close()
+
+
+async def _serve_async(conn, fn, tls, timeout_s: float) -> None:
+    """Start an episode for each task as it arrives (the pool sends no more than the process
+    takes at once); return when the pool closes the connection."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    inbox: "asyncio.Queue[Optional[AgentTask]]" = asyncio.Queue()
+
+    def arrived() -> None:
         try:
-            kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
-            client = kind(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s,
-                          http_client=http)
-            answer = (loop.run_until_complete(fn(client, task.row, task.index)) if asynchronous
-                      else fn(client, task.row, task.index))
-            result = AgentResult(task.task_id, None if answer is None else str(answer))
-        except BaseException as exc:  # the agent's own failure ends its episode, not the pool
-            result = AgentResult(task.task_id, None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        conn.send(result)
+            inbox.put_nowait(conn.recv())
+        except (EOFError, OSError):
+            loop.remove_reader(conn.fileno())
+            inbox.put_nowait(None)
+
+    loop.add_reader(conn.fileno(), arrived)
+    running = set()
+    while (task := await inbox.get()) is not None:
+        episode = asyncio.ensure_future(_run_async(conn, fn, task, tls, timeout_s))
+        running.add(episode)
+        episode.add_done_callback(running.discard)
+
+
+async def _run_async(conn, fn, task: AgentTask, tls, timeout_s: float) -> None:
+    """One episode, cancelled at its time limit (an agent that blocks the event loop instead is
+    the pool's to stop: AgentPool.poll)."""
+    import asyncio
+
+    import openai
+
+    http = openai.DefaultAsyncHttpxClient(verify=tls)
+    start = time.monotonic()
+    try:
+        client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s,
+                                    http_client=http)
+        answer = await asyncio.wait_for(fn(client, task.row, task.index), timeout_s)
+        result = AgentResult(task.task_id, None if answer is None else str(answer))
+    except BaseException as exc:  # the agent's own failure ends its episode, not its process
+        if isinstance(exc, TimeoutError) and time.monotonic() - start >= timeout_s:
+            result = AgentResult(task.task_id, None, f"timed out after {timeout_s:g} s", timed_out=True)
+        else:
+            result = AgentResult(task.task_id, None, _one_line(exc))
+    finally:
+        await http.aclose()
+    conn.send(result)
 
 
 class AgentPool:
-    """`size` agent processes; `run(tasks)` hands each task to a free one and collects results,
-    killing (and replacing) a process whose task passes `timeout_s` from the moment the process
-    was ready."""
+    """Agent processes for `size` episodes at once; `run(tasks)` hands each task to a process
+    with room and collects results, killing (and replacing) a process whose task passes
+    `timeout_s` from the moment the process was ready. A `def` agent's process runs one episode
+    at a time; an `async def` agent's, `per_process` (so `size / per_process` processes). How
+    many a process takes is known once the first process is ready: until then the pool starts
+    processes as for an `async def` agent, then more if the agent is a `def`."""
 
-    def __init__(self, path: str, size: int, timeout_s: float, search_path: Sequence[str] = ()):
+    def __init__(self, path: str, size: int, timeout_s: float, search_path: Sequence[str] = (), per_process: int = 1):
         self.path, self.size, self.timeout_s, self.search_path = path, size, timeout_s, list(search_path)
+        self.per_process = per_process
+        self.capacity: Optional[int] = None  # episodes at once per process, as the first ready process tells
         self.start_limit_s = max(START_LIMIT_S, timeout_s)
         # Never fork the actor (it holds the engine's threads): the processes are forked from
         # multiprocessing's fork server, a clean process started once that has imported `openai`
@@ -114,15 +181,15 @@ class AgentPool:
         self._started: List[float] = []  # per slot: when its process was spawned
         self._ready: set = set()  # slots whose process has loaded the agent
         self._queue: List[AgentTask] = []
-        # slot -> (task, deadline); the deadline is None until the slot's process is ready
-        self._busy: Dict[int, Tuple[AgentTask, Optional[float]]] = {}
+        # slot -> task id -> (task, deadline); a deadline is None until the slot's process is ready
+        self._busy: Dict[int, Dict[int, Tuple[AgentTask, Optional[float]]]] = {}
         self.results: List[AgentResult] = []
 
     def _spawn(self, slot: int) -> None:
         """A new process in `slot` (a new slot at the end), not ready until it says so."""
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_agent_main, args=(child, self.path, self.search_path, self.timeout_s),
-                                 daemon=True)
+        proc = self._ctx.Process(target=_agent_main, daemon=True,
+                                 args=(child, self.path, self.search_path, self.timeout_s, self.per_process))
         proc.start()
         child.close()
         if slot == len(self._procs):
@@ -132,31 +199,50 @@ class AgentPool:
             self._procs[slot], self._started[slot] = (proc, parent), time.monotonic()
         self._ready.discard(slot)
 
-    def submit(self, tasks: Sequence[AgentTask]) -> None:
-        while len(self._procs) < min(self.size, len(tasks) + len(self._busy)):
+    def _room(self, slot: int) -> int:
+        """Tasks `slot` may take now: one before its process is ready (it may be a `def` agent's)."""
+        held = len(self._busy.get(slot, {}))
+        return (self.capacity if slot in self._ready and self.capacity else 1) - held
+
+    def _grow(self) -> None:
+        """Processes enough for the tasks outstanding, at most enough for `size` episodes at once."""
+        per = self.capacity or self.per_process
+        outstanding = len(self._queue) + sum(len(tasks) for tasks in self._busy.values())
+        while len(self._procs) < min(-(-self.size // per), -(-outstanding // per)):
             self._spawn(len(self._procs))
+
+    def submit(self, tasks: Sequence[AgentTask]) -> None:
         self._queue.extend(tasks)
+        self._grow()
         self._dispatch()
 
     @property
     def pending(self) -> bool:
-        return bool(self._queue or self._busy)
+        return bool(self._queue or any(self._busy.values()))
 
     def _dispatch(self) -> None:
         for slot in range(len(self._procs)):
-            if not self._queue:
-                return
-            if slot not in self._busy:
+            while self._queue and self._room(slot) > 0:
                 task = self._queue.pop(0)
                 self._procs[slot][1].send(task)
-                self._busy[slot] = (task, self._deadline(slot))
+                self._busy.setdefault(slot, {})[task.task_id] = (task, self._deadline(slot))
 
     def _deadline(self, slot: int) -> Optional[float]:
         return time.monotonic() + self.timeout_s if slot in self._ready else None
 
+    def _fail(self, slot: int, message: str, late: Optional[Sequence[int]] = None) -> List[AgentResult]:
+        """Every task of `slot` ends and its process is replaced: those in `late` timed out,
+        the others stopped with them (`late` None: every one failed with `message`)."""
+        tasks = self._busy.pop(slot, {})
+        self._replace(slot)
+        if late is None:
+            return [AgentResult(tid, None, message) for tid in tasks]
+        return [AgentResult(tid, None, message, timed_out=True) if tid in late else
+                AgentResult(tid, None, f"its process was stopped: another episode in it {message}") for tid in tasks]
+
     def poll(self, wait_s: float = 0.0) -> List[AgentResult]:
         """Results that arrived (waiting up to `wait_s` for one), timeouts and dead processes."""
-        listening = set(self._busy) | (set(range(len(self._procs))) - self._ready)
+        listening = {slot for slot, tasks in self._busy.items() if tasks} | (set(range(len(self._procs))) - self._ready)
         conns = {self._procs[slot][1]: slot for slot in listening}
         ready = wait(list(conns), timeout=wait_s) if conns else []
         done: List[AgentResult] = []
@@ -165,29 +251,29 @@ class AgentPool:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                busy = self._busy.pop(slot, None)
-                if busy is not None:
-                    done.append(AgentResult(busy[0].task_id, None, "the agent's process died"))
+                tasks = self._busy.pop(slot, {})
+                done += [AgentResult(tid, None, "the agent's process died") for tid in tasks]
                 self._replace(slot)
                 continue
-            if message == _READY:
+            if isinstance(message, tuple) and message[0] == _READY:
                 self._ready.add(slot)
-                if slot in self._busy:  # its task's time starts now
-                    self._busy[slot] = (self._busy[slot][0], self._deadline(slot))
+                self.capacity = message[1]
+                for tid, (task, _) in self._busy.get(slot, {}).items():  # their time starts now
+                    self._busy[slot][tid] = (task, self._deadline(slot))
                 continue
-            del self._busy[slot]
+            self._busy.get(slot, {}).pop(message.task_id, None)
             done.append(message)
+        # An async agent's process ends a late episode itself; past this grace its event loop is
+        # blocked (a computation that never awaits), and the pool stops the process.
+        grace = ASYNC_GRACE_S if (self.capacity or 1) > 1 else 0.0
         now = time.monotonic()
-        for slot, (task, deadline) in list(self._busy.items()):
-            if deadline is not None and now > deadline:
-                error, timed_out = f"timed out after {self.timeout_s:g} s", True
-            elif deadline is None and now > self._started[slot] + self.start_limit_s:
-                error, timed_out = f"the agent's process did not start within {self.start_limit_s:g} s", False
-            else:
-                continue
-            del self._busy[slot]
-            done.append(AgentResult(task.task_id, None, error, timed_out=timed_out))
-            self._replace(slot)
+        for slot, tasks in list(self._busy.items()):
+            late = [tid for tid, (_, deadline) in tasks.items() if deadline is not None and now > deadline + grace]
+            if late:
+                done += self._fail(slot, f"timed out after {self.timeout_s:g} s", late=late)
+            elif tasks and slot not in self._ready and now > self._started[slot] + self.start_limit_s:
+                done += self._fail(slot, f"the agent's process did not start within {self.start_limit_s:g} s")
+        self._grow()
         self._dispatch()
         self.results += done
         return done

@@ -144,7 +144,8 @@ class GenerationWorker:
         self.endpoint = AgentEndpoint(self.tokenizer, self._agent_sampling, self.sessions, self.bridge,
                                       os.path.basename(model_path.rstrip("/")), c.endpoint_host,
                                       c.endpoint_max_request_kb, c.max_model_len)
-        self.agents = AgentPool(c.agent, c.agent_concurrency, c.agent_timeout_s, search_path=[os.getcwd()])
+        self.agents = AgentPool(c.agent, c.agent_concurrency, c.agent_timeout_s, search_path=[os.getcwd()],
+                                per_process=c.agent_episodes_per_process)
 
     def _start_tools(self) -> None:
         from common.sandbox import MARGIN_S as SANDBOX_MARGIN_S

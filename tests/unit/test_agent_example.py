@@ -135,3 +135,34 @@ def test_records_in_chunk_stats_are_kept_not_summed(tmp_path, capsys):
     keep_agent_records(cfg, 4, {}, {"first_drift": {"turn": 2}})
     assert json.loads((tmp_path / "run" / DRIFT_FILE).read_text()) == {"step": 3, "turn": 1}  # the first kept
     assert "step 3: 1 agent episodes failed (scored 0); the first: ValueError: a" in capsys.readouterr().out
+
+
+def test_the_async_agent_sends_what_the_sync_one_does():
+    """run and run_async, against clients that reply with a calculator call and then the answer,
+    send the same conversations and return the same answer."""
+    import asyncio
+
+    agent = _agent()
+
+    def replies():
+        call = SimpleNamespace(id="c0", function=SimpleNamespace(name="calculator", arguments='{"expression": "12*34"}'))
+        yield SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=None, tool_calls=[call]))])
+        yield SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="408", tool_calls=None))])
+
+    def client(sent, asynchronous):
+        script = replies()
+
+        def create(**request):
+            sent.append(json.loads(json.dumps(request["messages"])))
+            return next(script)
+
+        async def acreate(**request):
+            return create(**request)
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=acreate if asynchronous else create)))
+
+    row = {"prompt": "12*34="}
+    sync_sent, async_sent = [], []
+    assert agent.run(client(sync_sent, False), row, 0) == "408"
+    assert asyncio.run(agent.run_async(client(async_sent, True), row, 0)) == "408"
+    assert sync_sent == async_sent and len(sync_sent) == 2
+    assert sync_sent[1][-1] == {"role": "tool", "tool_call_id": "c0", "content": "408"}
