@@ -84,6 +84,8 @@ def train(out: Path, name: str, *overrides: str) -> Path:
         time.sleep(0.1)
     if run.returncode:
         raise subprocess.CalledProcessError(run.returncode, run.args)
+    if not marks:  # no GRPO step (the warm-up run): nothing to account
+        return out / name
     (first, start), (last, end) = marks[0], marks[-1]
     per_step = {role: (end[role] - start[role]) / max(last - first, 1) for role in ROLES}
     (out / name / "cpu.json").write_text(json.dumps({"steps": [first, last], "cpu_s_per_step": per_step}) + "\n")
@@ -102,7 +104,8 @@ def rates(run_dir: Path) -> dict:
     return {"tokens_per_s": statistics.median(per_step), "cpu_s_per_step": cpu, "turns_mean": statistics.mean(r["turns_mean"] for r in steady),
             "sampled_tokens_per_step": statistics.mean(sampled(r) for r in steady),
             "generate_s": statistics.median(r["time_generate"] for r in steady), "steps": len(steady),
-            "requests": statistics.mean(r.get("agent_requests", 0.0) for r in steady)}
+            "requests": statistics.mean(r.get("agent_requests", 0.0) for r in steady),
+            "first_generate_s": rows[0]["time_generate"]}
 
 
 def same_schema_agent(client, row, index):
@@ -178,6 +181,7 @@ def _floor_client(port: int, n: int, go, out) -> None:
     try:
         for i in range(10):
             ask(i)
+        out.put("warm")
         go.get()
         start = time.process_time()
         for i in range(n):
@@ -216,11 +220,12 @@ def client_floor(processes: int, requests: int = 960) -> dict:
     clients = [ctx.Process(target=_floor_client, args=(port, requests // processes, go, out)) for go in gos]
     for client in clients:
         client.start()
-    time.sleep(2 + 0.2 * processes)  # every client through its warm-up
+    if None in [out.get(timeout=600) for _ in clients]:  # every client through its warm-up
+        raise RuntimeError("a client process failed (its traceback is above)")
     before = server_cpu()
     for go in gos:
         go.put(True)
-    spent = [out.get() for _ in clients]
+    spent = [out.get(timeout=600) for _ in clients]
     if None in spent:
         raise RuntimeError("a client process failed (its traceback is above)")
     client_s = sum(spent)
@@ -270,19 +275,21 @@ def main() -> None:
     for name in agents:
         results[name]["ratio"] = results[name]["tokens_per_s"] / results["loop"]["tokens_per_s"]
     lines = ["| | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
-             "per episode | HTTP requests a step | CPU s a step: generation workers, agent processes | load average "
-             "(before -> after) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "per episode | HTTP requests a step | CPU s a step: generation workers, agent processes | first step's "
+             "generate s | load average (before -> after) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in runs:
         r, cpu = results[name], results[name]["cpu_s_per_step"]
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} | {r['sampled_tokens_per_step']:.0f} "
                      f"| {r['turns_mean']:.2f} | {r['requests']:.0f} | {cpu['generation workers']:.2f}, "
-                     f"{cpu['agent processes']:.2f} | {r['load_average']} |")
+                     f"{cpu['agent processes']:.2f} | {r['first_generate_s']:.1f} | {r['load_average']} |")
     print("\n".join(lines))
     engine = results["loop"]["cpu_s_per_step"]["generation workers"]
     for name in agents:
         # Generation is CPU-bound here: the same sampling work (the loop's workers) plus what
         # the agents' own processes spend bounds the ratio even for an endpoint that cost nothing.
         agent = results[name]
+        if not agent["requests"]:
+            raise RuntimeError(f"the {name} run logged no agent_requests: its episodes did not reach the endpoint")
         clients = agent["cpu_s_per_step"]["agent processes"]
         server = agent["cpu_s_per_step"]["generation workers"] - engine
         agent["ceiling_free_endpoint"] = engine / (engine + clients)

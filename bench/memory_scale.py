@@ -159,11 +159,11 @@ SIZES = {"25M": (512, 6, 8, 2048), "100M": (1024, 6, 16, 4096), "300M": (1024, 1
 """--sweep's sizes: hidden, layers, heads, MLP width (float32, the built-in vocabulary of a few hundred)."""
 LAYOUTS = {"zero2": ["--zero", "2"], "zero3": ["--zero", "3"], "zero3+gc": ["--zero", "3", "--checkpointing"],
            "zero3+lora": ["--zero", "3", "--lora", "16"]}
-ALLOCATORS = ("product", "glibc", "release")
+ALLOCATORS = ("product", "glibc", "release", "thresholds")
 """--allocator: the ranks' C allocator settings as `grpo train` starts them (learner/peak_memory.py's
-allocator_env for this layout: ZeRO-3 on CPU returns freed memory), glibc's defaults, or freed
-memory returned (RETURN_FREED_MEMORY) whatever the layout. Rows of earlier runs marked `malloc`
-had MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=0 without huge pages."""
+allocator_env for this layout: ZeRO-3 on CPU returns freed memory), glibc's defaults, freed
+memory returned (RETURN_FREED_MEMORY) whatever the layout, or its two thresholds without huge
+pages (the rows marked `malloc`, as earlier runs set them)."""
 
 
 def run_once(args) -> dict:
@@ -182,8 +182,11 @@ def run_once(args) -> dict:
     for name in RETURN_FREED_MEMORY:
         os.environ.pop(name, None)
     cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=args.zero,
-                        return_freed_memory={"product": None, "glibc": False, "release": True}[args.allocator])
+                        return_freed_memory={"product": None, "glibc": False}.get(args.allocator, True))
     args.allocator_env = allocator_env(cfg)
+    if args.allocator == "thresholds":
+        args.allocator_env.pop("GLIBC_TUNABLES", None)
+        args.malloc = True  # the rows' label
     os.environ.update(args.allocator_env)  # read by glibc when each spawned rank starts
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -327,7 +330,8 @@ def main() -> None:
     parser.add_argument("--full-first", action="store_true",
                         help="with --lora: build the whole model's engine first, as after a warm-up")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="product",
-                        help="the ranks' C allocator settings: as grpo train sets them, glibc's, or freed memory returned")
+                        help="the ranks' C allocator settings: as grpo train sets them, glibc's, freed memory "
+                             "returned, or its thresholds alone")
     parser.add_argument("--deepspeed", default="{}", help="learner.deepspeed (JSON), merged over the generated config")
     parser.add_argument("--sweep", nargs="*", choices=list(SIZES), default=[],
                         help="run each of these sizes in each --layouts (other flags apply to every run)")

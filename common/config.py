@@ -362,8 +362,8 @@ class RolloutConfig(Section):
     of its own, an `async def` agent's `agent_episodes_per_process` to a process."""
     agent_episodes_per_process: int = 8
     """Episodes of an `async def` agent that share one process's event loop (a `def` agent runs
-    one per process). Fewer processes for the same concurrency: less memory, less start-up and
-    less CPU per request (bench/agent_throughput.py). An episode past the time limit is
+    one per process). Fewer processes for the same concurrency: less memory and a faster first
+    step (bench/agent_throughput.py). An episode past the time limit is
     cancelled; one that blocks the event loop instead stalls the process's other episodes, and
     the process is stopped with all of them."""
     agent_timeout_s: float = 60.0

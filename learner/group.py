@@ -54,6 +54,16 @@ def _rendezvous(rank0_options: dict):
     return ray.get(probe.remote())
 
 
+def _with_env(options: dict, env: Dict[str, str]) -> dict:
+    """Actor `options` whose process also starts with `env` (Ray merges a runtime_env's
+    variables into the job's)."""
+    if not env:
+        return options
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+    return {**options, "runtime_env": runtime_env}
+
+
 class LearnerGroup:
     def __init__(self, model_path: str, cfg: LearnerConfig, algo: AlgoConfig, max_new_tokens: int, seed: int,
                  placement=None, rank_class: type = LearnerRank, adapters_from_start: bool = False):
@@ -64,13 +74,10 @@ class LearnerGroup:
         actor = ray.remote(num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank)(rank_class)
         world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
-        allocator = allocator_env(cfg)
-        if allocator:  # merged into the job's environment variables by Ray
-            options = [{**o, "runtime_env": {"env_vars": allocator}} for o in options]
         master_addr, master_port = _rendezvous(options[0])
         self.ranks = [
-            actor.options(**options[rank]).remote(rank, world, master_addr, master_port, model_path, cfg, algo,
-                                                  max_new_tokens, seed, adapters_from_start)
+            actor.options(**_with_env(options[rank], allocator_env(cfg))).remote(
+                rank, world, master_addr, master_port, model_path, cfg, algo, max_new_tokens, seed, adapters_from_start)
             for rank in range(world)
         ]
 

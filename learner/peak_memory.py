@@ -19,7 +19,8 @@ fresh mappings in 4 KiB at a time cost step time, bench/memory_scale.py)."""
 
 def allocator_env(cfg: LearnerConfig) -> Dict[str, str]:
     """The environment a learner rank starts with for `learner.return_freed_memory` (glibc reads
-    it once, at the process's start). A variable the driver's environment already sets wins.
+    it once, at the process's start). A variable the driver's environment already sets wins
+    (its GLIBC_TUNABLES gets the huge pages added, unless it sets them itself).
 
     ZeRO-3 gathers each block's parameters and frees them again, twice a step; glibc keeps
     what is freed for reuse (its threshold for mapping a block on its own rises to 32 MiB with
@@ -30,7 +31,11 @@ def allocator_env(cfg: LearnerConfig) -> Dict[str, str]:
         on = cfg.zero_stage == 3 and cfg.num_gpus_per_rank == 0
     if not on:
         return {}
-    return {k: v for k, v in RETURN_FREED_MEMORY.items() if k not in os.environ}
+    env = {k: v for k, v in RETURN_FREED_MEMORY.items() if k not in os.environ}
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if tunables is not None and "glibc.malloc.hugetlb" not in tunables:  # the user's, and huge pages
+        env["GLIBC_TUNABLES"] = f"{tunables}:{RETURN_FREED_MEMORY['GLIBC_TUNABLES']}"
+    return env
 
 
 def reset_peak_memory(on_gpu: bool) -> None:

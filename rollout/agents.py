@@ -25,7 +25,7 @@ import inspect
 import multiprocessing
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -49,6 +49,10 @@ class AgentTask:
     api_key: str
     row: Dict[str, Any]
     index: int
+    deadline: Optional[float] = None
+    """When the episode must end, on the monotonic clock (one for every process of the machine),
+    as the pool set it when it handed the task to a ready process; None: `timeout_s` from when
+    the process reads the task."""
 
 
 @dataclass(frozen=True)
@@ -140,20 +144,25 @@ async def _run_async(conn, fn, task: AgentTask, tls, timeout_s: float) -> None:
     import openai
 
     http = openai.DefaultAsyncHttpxClient(verify=tls)
-    start = time.monotonic()
+    deadline = task.deadline if task.deadline is not None else time.monotonic() + timeout_s
     try:
         client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=timeout_s,
                                     http_client=http)
-        answer = await asyncio.wait_for(fn(client, task.row, task.index), timeout_s)
+        answer = await asyncio.wait_for(fn(client, task.row, task.index), max(deadline - time.monotonic(), 0.0))
         result = AgentResult(task.task_id, None if answer is None else str(answer))
     except BaseException as exc:  # the agent's own failure ends its episode, not its process
-        if isinstance(exc, TimeoutError) and time.monotonic() - start >= timeout_s:
+        if isinstance(exc, asyncio.TimeoutError) and time.monotonic() >= deadline:
             result = AgentResult(task.task_id, None, f"timed out after {timeout_s:g} s", timed_out=True)
         else:
             result = AgentResult(task.task_id, None, _one_line(exc))
-    finally:
+    try:
         await http.aclose()
-    conn.send(result)
+    except Exception:  # the episode's outcome stands whatever closing its client does
+        pass
+    try:
+        conn.send(result)
+    except OSError:  # the pool is gone (it closed the connection): nobody to tell
+        pass
 
 
 class AgentPool:
@@ -166,7 +175,7 @@ class AgentPool:
 
     def __init__(self, path: str, size: int, timeout_s: float, search_path: Sequence[str] = (), per_process: int = 1):
         self.path, self.size, self.timeout_s, self.search_path = path, size, timeout_s, list(search_path)
-        self.per_process = per_process
+        self.per_process = max(1, min(per_process, size))
         self.capacity: Optional[int] = None  # episodes at once per process, as the first ready process tells
         self.start_limit_s = max(START_LIMIT_S, timeout_s)
         # Never fork the actor (it holds the engine's threads): the processes are forked from
@@ -221,11 +230,15 @@ class AgentPool:
         return bool(self._queue or any(self._busy.values()))
 
     def _dispatch(self) -> None:
+        """Queued tasks to processes with room, never more than `size` episodes at once."""
+        running = sum(len(tasks) for tasks in self._busy.values())
         for slot in range(len(self._procs)):
-            while self._queue and self._room(slot) > 0:
-                task = self._queue.pop(0)
+            while self._queue and self._room(slot) > 0 and running < self.size:
+                deadline = self._deadline(slot)
+                task = replace(self._queue.pop(0), deadline=deadline)
                 self._procs[slot][1].send(task)
-                self._busy.setdefault(slot, {})[task.task_id] = (task, self._deadline(slot))
+                self._busy.setdefault(slot, {})[task.task_id] = (task, deadline)
+                running += 1
 
     def _deadline(self, slot: int) -> Optional[float]:
         return time.monotonic() + self.timeout_s if slot in self._ready else None
@@ -247,22 +260,7 @@ class AgentPool:
         ready = wait(list(conns), timeout=wait_s) if conns else []
         done: List[AgentResult] = []
         for conn in ready:
-            slot = conns[conn]
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                tasks = self._busy.pop(slot, {})
-                done += [AgentResult(tid, None, "the agent's process died") for tid in tasks]
-                self._replace(slot)
-                continue
-            if isinstance(message, tuple) and message[0] == _READY:
-                self._ready.add(slot)
-                self.capacity = message[1]
-                for tid, (task, _) in self._busy.get(slot, {}).items():  # their time starts now
-                    self._busy[slot][tid] = (task, self._deadline(slot))
-                continue
-            self._busy.get(slot, {}).pop(message.task_id, None)
-            done.append(message)
+            done += self._receive(conns[conn], conn)
         # An async agent's process ends a late episode itself; past this grace its event loop is
         # blocked (a computation that never awaits), and the pool stops the process.
         grace = ASYNC_GRACE_S if (self.capacity or 1) > 1 else 0.0
@@ -277,6 +275,29 @@ class AgentPool:
         self._dispatch()
         self.results += done
         return done
+
+    def _receive(self, slot: int, conn) -> List[AgentResult]:
+        """Every message waiting from `slot`'s process (an async agent's episodes may have
+        finished together: read one at a time, the rest would still be waiting at the
+        deadlines' check)."""
+        done: List[AgentResult] = []
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                tasks = self._busy.pop(slot, {})
+                self._replace(slot)
+                return done + [AgentResult(tid, None, "the agent's process died") for tid in tasks]
+            if isinstance(message, tuple) and message[0] == _READY:
+                self._ready.add(slot)
+                self.capacity = min(message[1], self.size)
+                for tid, (task, _) in self._busy.get(slot, {}).items():  # their time starts now
+                    self._busy[slot][tid] = (task, self._deadline(slot))
+            else:
+                self._busy.get(slot, {}).pop(message.task_id, None)
+                done.append(message)
+            if not conn.poll():
+                return done
 
     def _replace(self, slot: int) -> None:
         proc, conn = self._procs[slot]

@@ -7,6 +7,10 @@ rebuilds it in place for each configuration: the same processes and process grou
 policy, optimizer, reference and update (everything LearnerRank.__init__ builds, from the
 model's files and the seed, as a new process would). A rebuild takes ~0.1-0.5 s.
 
+A rebuilt rank keeps the C allocator settings its process started with (learner/peak_memory.py
+sets them by ZeRO stage at a process's start): they change how much memory a step holds, which
+no test here measures, not what it computes.
+
 A group whose use raised is shut down, not reused: a failed collective can leave its ranks
 anywhere. A weight-sync group that rank 0 joined (tests/integration/test_weight_sync.py) is
 dropped at the next rebuild, as a new rank starts without one. Tests that kill ranks start

@@ -195,3 +195,18 @@ def test_a_def_agent_gets_a_process_per_episode_whatever_the_sharing(tmp_path):
         pool.close()
     assert all(r.error is None for r in results.values())
     assert os.getpid() not in {int(r.answer) for r in results.values()}
+
+
+def test_no_more_async_episodes_at_once_than_the_pool_size(tmp_path):
+    pool = _shared_pool(tmp_path, "overlapping", 3, 8)
+    try:
+        pool.submit(_tasks(7))
+        most = 0
+        results = {}
+        while pool.pending:
+            most = max(most, sum(len(tasks) for tasks in pool._busy.values()))
+            results.update((r.task_id, r) for r in pool.poll(0.05))
+        assert len(pool._procs) == 1 and pool.capacity == 3
+    finally:
+        pool.close()
+    assert most == 3 and len(results) == 7 and all(r.error is None for r in results.values())

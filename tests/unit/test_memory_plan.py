@@ -114,3 +114,22 @@ def test_freed_memory_is_returned_by_default_only_for_zero3_ranks_on_cpus(monkey
     assert allocator_env(LearnerConfig(zero_stage=3, return_freed_memory=False)) == {}
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own choice wins
     assert "MALLOC_MMAP_THRESHOLD_" not in allocator_env(LearnerConfig(zero_stage=3))
+
+
+def test_the_users_glibc_tunables_are_kept_and_get_huge_pages(monkeypatch):
+    from learner.peak_memory import allocator_env
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert allocator_env(LearnerConfig(zero_stage=3))["GLIBC_TUNABLES"] == (
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert "GLIBC_TUNABLES" not in allocator_env(LearnerConfig(zero_stage=3))
+
+
+def test_a_ranks_environment_is_merged_into_its_actor_options():
+    from learner.group import _with_env
+
+    placed = {"scheduling_strategy": "bundle 0", "runtime_env": {"env_vars": {"A": "1"}, "pip": ["x"]}}
+    assert _with_env(placed, {"B": "2"}) == {"scheduling_strategy": "bundle 0",
+                                              "runtime_env": {"env_vars": {"A": "1", "B": "2"}, "pip": ["x"]}}
+    assert _with_env(placed, {}) is placed and "B" not in placed["runtime_env"]["env_vars"]
