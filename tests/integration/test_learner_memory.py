@@ -39,22 +39,24 @@ def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_p
 
 @pytest.mark.parametrize("zero_stage, returned", [(3, True), (2, False)])
 def test_zero3_ranks_on_cpus_start_with_freed_memory_returned(ray_session, zero_stage, returned):
-    """Ray starts each rank's process with learner/peak_memory.py's glibc settings under ZeRO-3
-    (merged into the job's environment variables, which the ranks keep), and without them under
+    """Ray starts each rank's process with learner/peak_memory.py's glibc settings under ZeRO-3,
+    merged with the variables of the job and of the rank's own options, and without them under
     ZeRO-2."""
-    from cluster.loop.launch import ACTOR_ENV
     from common.config import AlgoConfig, LearnerConfig
     from learner.group import LearnerGroup
     from learner.peak_memory import RETURN_FREED_MEMORY
 
+    job_env = dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})
+    placed = {"PLACED": "1"}
     cfg = LearnerConfig(num_ranks=2, zero_stage=zero_stage, num_cpus_per_rank=0)
-    group = LearnerGroup("no model", cfg, AlgoConfig(), 8, 0, rank_class=EnvProbe)
+    group = LearnerGroup("no model", cfg, AlgoConfig(), 8, 0, rank_class=EnvProbe,
+                         placement=lambda i: {"runtime_env": {"env_vars": placed}})
     try:
         envs = ray.get([rank.__ray_call__.remote(lambda probe: probe.env) for rank in group.ranks])
     finally:
         for rank in group.ranks:
             ray.kill(rank)
     for env in envs:
-        assert ACTOR_ENV.items() <= env.items()
+        assert job_env.items() <= env.items() and placed.items() <= env.items()
         assert (RETURN_FREED_MEMORY.items() <= env.items()) == returned
         assert returned or not RETURN_FREED_MEMORY.keys() & env.keys()
