@@ -235,8 +235,13 @@ class AgentPool:
         for slot in range(len(self._procs)):
             while self._queue and self._room(slot) > 0 and running < self.size:
                 deadline = self._deadline(slot)
-                task = replace(self._queue.pop(0), deadline=deadline)
-                self._procs[slot][1].send(task)
+                task = replace(self._queue[0], deadline=deadline)
+                try:
+                    self._procs[slot][1].send(task)
+                except OSError:  # its process died while idle (nothing listened): a new one, the task waits
+                    self._replace(slot)
+                    continue
+                self._queue.pop(0)
                 self._busy.setdefault(slot, {})[task.task_id] = (task, deadline)
                 running += 1
 

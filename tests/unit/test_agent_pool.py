@@ -210,3 +210,16 @@ def test_no_more_async_episodes_at_once_than_the_pool_size(tmp_path):
     finally:
         pool.close()
     assert most == 3 and len(results) == 7 and all(r.error is None for r in results.values())
+
+
+def test_a_process_that_died_while_idle_is_replaced_when_work_comes(tmp_path):
+    pool = _shared_pool(tmp_path, "plain", 1, 1)
+    try:
+        first = _run(pool, _tasks(1))[0]
+        proc = pool._procs[0][0]
+        proc.kill()
+        proc.join()
+        (result,) = _run(pool, _tasks(1)).values()
+    finally:
+        pool.close()
+    assert first.error is None and result.error is None and result.answer != first.answer
