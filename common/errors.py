@@ -4,6 +4,11 @@ modules (nor Ray, nor torch) to tell which status an error ends with."""
 from __future__ import annotations
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line for a report: its type and the first line of its text."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
 class BadInput(ValueError):
     """The user's input (config, data, a request) cannot run: one line, exit status 2."""
 

@@ -75,8 +75,9 @@ class LearnerGroup:
         world = cfg.num_ranks
         options = [placement(i) if placement else {} for i in range(world)]
         master_addr, master_port = _rendezvous(options[0])
+        env = allocator_env(cfg)
         self.ranks = [
-            actor.options(**_with_env(options[rank], allocator_env(cfg))).remote(
+            actor.options(**_with_env(options[rank], env)).remote(
                 rank, world, master_addr, master_port, model_path, cfg, algo, max_new_tokens, seed, adapters_from_start)
             for rank in range(world)
         ]

@@ -30,6 +30,7 @@ from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common.child import die_with_parent
+from common.errors import one_line
 
 START_LIMIT_S = 300.0
 """How long an agent process may take to become ready before its task fails."""
@@ -94,10 +95,6 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float, p
         conn.send(_run_sync(fn, task, tls, timeout_s))
 
 
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-
-
 def _run_sync(fn, task: AgentTask, tls, timeout_s: float) -> AgentResult:
     import openai
 
@@ -108,7 +105,7 @@ def _run_sync(fn, task: AgentTask, tls, timeout_s: float) -> AgentResult:
         answer = fn(client, task.row, task.index)
         return AgentResult(task.task_id, None if answer is None else str(answer))
     except BaseException as exc:  # the agent's own failure ends its episode, not the pool
-        return AgentResult(task.task_id, None, _one_line(exc))
+        return AgentResult(task.task_id, None, one_line(exc))
     finally:
         http.close()
 
@@ -154,7 +151,7 @@ async def _run_async(conn, fn, task: AgentTask, tls, timeout_s: float) -> None:
         if isinstance(exc, asyncio.TimeoutError) and time.monotonic() >= deadline:
             result = AgentResult(task.task_id, None, f"timed out after {timeout_s:g} s", timed_out=True)
         else:
-            result = AgentResult(task.task_id, None, _one_line(exc))
+            result = AgentResult(task.task_id, None, one_line(exc))
     try:
         await http.aclose()
     except Exception:  # the episode's outcome stands whatever closing its client does
@@ -213,10 +210,13 @@ class AgentPool:
         held = len(self._busy.get(slot, {}))
         return (self.capacity if slot in self._ready and self.capacity else 1) - held
 
+    def _running(self) -> int:
+        return sum(len(tasks) for tasks in self._busy.values())
+
     def _grow(self) -> None:
         """Processes enough for the tasks outstanding, at most enough for `size` episodes at once."""
         per = self.capacity or self.per_process
-        outstanding = len(self._queue) + sum(len(tasks) for tasks in self._busy.values())
+        outstanding = len(self._queue) + self._running()
         while len(self._procs) < min(-(-self.size // per), -(-outstanding // per)):
             self._spawn(len(self._procs))
 
@@ -231,7 +231,7 @@ class AgentPool:
 
     def _dispatch(self) -> None:
         """Queued tasks to processes with room, never more than `size` episodes at once."""
-        running = sum(len(tasks) for tasks in self._busy.values())
+        running = self._running()
         for slot in range(len(self._procs)):
             while self._queue and self._room(slot) > 0 and running < self.size:
                 deadline = self._deadline(slot)
@@ -290,12 +290,10 @@ class AgentPool:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                tasks = self._busy.pop(slot, {})
-                self._replace(slot)
-                return done + [AgentResult(tid, None, "the agent's process died") for tid in tasks]
+                return done + self._fail(slot, "the agent's process died")
             if isinstance(message, tuple) and message[0] == _READY:
                 self._ready.add(slot)
-                self.capacity = min(message[1], self.size)
+                self.capacity = message[1]  # per_process (at most `size`) or 1
                 for tid, (task, _) in self._busy.get(slot, {}).items():  # their time starts now
                     self._busy[slot][tid] = (task, self._deadline(slot))
             else:

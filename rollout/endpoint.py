@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from common.backends import StepEngine
+from common.errors import one_line
 from rollout.sessions import Session, SessionStore, Turn, plan_turn, record_turn
 
 
@@ -74,7 +75,7 @@ class EngineBridge:
         try:
             engine.add_request(request_id, prompt_ids, params)
         except Exception as exc:  # a request the engine refuses (too long, bad params) is the caller's 400
-            future.set_exception(ValueError(f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+            future.set_exception(ValueError(one_line(exc)))
             return
         self._running[request_id] = future
 
