@@ -1,7 +1,7 @@
 """Completion tokens/s of an agent through the endpoint against the built-in episode loop.
 
     .venv/bin/python bench/agent_throughput.py [--steps 6] [--warmup-steps 300 | --model DIR] [--output-dir runs/bench] \
-        [overrides...]
+        [--extra-layers N] [--runs agent,loop] [overrides...]
     .venv/bin/python bench/agent_throughput.py --client-floor
 
 On the multiplication task with the model for agents: one `grpo train data=mul_agent` run
@@ -22,6 +22,10 @@ per second of generation (tool results excluded: the episode loop counts them in
 completion_tokens and reports their share), turns per episode, and the agent's ratio to the loop.
 The two runs' samples differ (the agent's tool description is its own, and a call's result is
 read by the agent's parser or the loop's), so the turns per episode are printed beside the rates.
+
+`--extra-layers N` measures the same with the model deepened by N blocks that leave its output
+unchanged (`deepened`): the same calls at a larger model's sampling cost, the endpoint's and the
+agents' cost a request the same. `--runs` picks the agent runs (the loop always runs).
 
 Beside the rates, each run's CPU seconds a step (generation workers, agent processes: read from
 /proc) and, from them, the ratio an endpoint that cost nothing would reach: the loop's sampling
@@ -105,7 +109,43 @@ def rates(run_dir: Path) -> dict:
             "sampled_tokens_per_step": statistics.mean(sampled(r) for r in steady),
             "generate_s": statistics.median(r["time_generate"] for r in steady), "steps": len(steady),
             "requests": statistics.mean(r.get("agent_requests", 0.0) for r in steady),
+            "engine_steps": statistics.mean(r.get("engine_steps", 0.0) for r in steady),
             "first_generate_s": rows[0]["time_generate"]}
+
+
+def deepened(model: str, folder: Path, extra_layers: int) -> str:
+    """`model` with `extra_layers` more transformer blocks that add nothing to its output (each
+    new block's attention output projection and MLP down projection are zero, so the residual
+    stream passes it unchanged): a model that samples exactly what `model` samples, and so makes
+    the same tool calls, at the sampling cost of a deeper one. Checked on one prompt."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    config = base.config
+    layers = config.num_hidden_layers + extra_layers
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * layers
+    torch.manual_seed(0)
+    deep = type(base)(config)
+    missing, _ = deep.load_state_dict(base.state_dict(), strict=False)
+    assert all(".layers." in name for name in missing), missing
+    for layer in deep.model.layers[layers - extra_layers:]:
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = torch.tensor([tokenizer("123*456=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(base(ids).logits, deep(ids).logits, atol=1e-5), "the deepened model's output differs"
+    folder.mkdir(parents=True, exist_ok=True)
+    deep.save_pretrained(folder)
+    for item in Path(model).iterdir():  # tokenizer, chat template, generation settings
+        if item.is_file() and not item.name.startswith(("model", "config")):
+            shutil.copy(item, folder / item.name)
+    return str(folder)
 
 
 def same_schema_agent(client, row, index):
@@ -247,6 +287,11 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     parser.add_argument("--client-floor", action="store_true",
                         help="measure only the openai client's CPU per request against a bare server (1 and 32 processes)")
+    parser.add_argument("--extra-layers", type=int, default=0,
+                        help="measure with the model deepened by this many blocks that leave its output unchanged "
+                             "(the same calls at a larger model's sampling cost)")
+    parser.add_argument("--runs", default="agent,async agent,loop",
+                        help="which of the runs, comma-separated (the loop always)")
     parser.add_argument("overrides", nargs="*", help="more grpo train overrides (every run)")
     args = parser.parse_args()
     if args.client_floor:
@@ -259,6 +304,8 @@ def main() -> None:
     if args.model is None:
         warm = train(out, "warm", f"warmup.steps={args.warmup_steps}", "trainer.max_steps=0", *args.overrides)
         args.model = str(warm / "final_model")
+    if args.extra_layers:
+        args.model = deepened(args.model, out / "deepened_model", args.extra_layers)
     model = ["model=hf", f"model.path={args.model}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
     results = {}
     runs = {"agent": ["rollout.agent=bench.agent_throughput:same_schema_agent"],
@@ -267,6 +314,8 @@ def main() -> None:
             # model's plain rows as they are: the loop's model then ends each episode at once).
             "loop": ["rollout.agent=null", "rollout.tools=[calculator]", "rollout.tool_format=hermes",
                      "data.chat_template=true"]}
+    chosen = set(args.runs.split(",")) | {"loop"}
+    runs = {name: extra for name, extra in runs.items() if name in chosen}
     for name, extra in runs.items():
         before = load_average()
         results[name] = rates(train(out, name, *model, *extra, *args.overrides))
@@ -275,12 +324,14 @@ def main() -> None:
     for name in agents:
         results[name]["ratio"] = results[name]["tokens_per_s"] / results["loop"]["tokens_per_s"]
     lines = ["| | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
-             "per episode | HTTP requests a step | CPU s a step: generation workers, agent processes | first step's "
-             "generate s | load average (before -> after) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "per episode | HTTP requests a step | engine steps a step | CPU s a step: generation workers, agent "
+             "processes | first step's generate s | load average (before -> after) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in runs:
         r, cpu = results[name], results[name]["cpu_s_per_step"]
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} | {r['sampled_tokens_per_step']:.0f} "
-                     f"| {r['turns_mean']:.2f} | {r['requests']:.0f} | {cpu['generation workers']:.2f}, "
+                     f"| {r['turns_mean']:.2f} | {r['requests']:.0f} | {r['engine_steps']:.0f} | "
+                     f"{cpu['generation workers']:.2f}, "
                      f"{cpu['agent processes']:.2f} | {r['first_generate_s']:.1f} | {r['load_average']} |")
     print("\n".join(lines))
     engine = results["loop"]["cpu_s_per_step"]["generation workers"]

@@ -242,12 +242,14 @@ class GenerationWorker:
         rollout.temperature (evaluation samples at eval.temperature)."""
         version = self.policy_version  # weights change only between calls, never during one
         seeds = self._request_seeds([r.seed for r in requests], greedy)
-        if self.tools is not None:
-            return self._episodes(requests, n, greedy, seeds, temperature, version)
-        if self.agents is not None:
+        if self.tools is not None or self.agents is not None:
             from rollout.agent_episodes import run_agents
 
-            return run_agents(self, requests, n, greedy, seeds, temperature, version)
+            steps = self.engine.steps
+            run = self._episodes if self.tools is not None else functools.partial(run_agents, self)
+            *groups, report = run(requests, n, greedy, seeds, temperature, version)
+            report.stats["engine_steps"] = float(self.engine.steps - steps)
+            return (*groups, report)
         rust = self._rust_tokenizer
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
         outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False,

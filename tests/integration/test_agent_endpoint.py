@@ -201,6 +201,9 @@ def test_trained_ids_are_exactly_the_sampled_ids_of_every_turn(worker):
     stats = report.stats
     assert stats["agent_errors"] == 0 and stats["agent_timeouts"] == 0, report.records.get("first_agent_error")
     assert stats["turns"] == 8 and stats["off_chain_calls"] == 0
+    # A step samples at most one token of each request, and a session's turns follow one another.
+    longest = max(sum(m) for g in groups for m in g.loss_masks)
+    assert longest <= stats["engine_steps"] <= sum(sum(m) for g in groups for m in g.loss_masks)
     requests = chains(tap, before)
     assert len(requests) == 8
     for group in groups:

@@ -119,6 +119,8 @@ def test_the_model_calls_the_calculator_and_reads_its_result(worker):
     assert "<result>" not in group.completions[0]  # verifiers get the model's own text
     assert observation(group) == "56088"
     assert stats["tool_calls"] == 1 and stats["tool_errors"] == 0 and stats["turns"] == 2
+    # one episode alone: an engine step for each sampled token of its two turns, and no more
+    assert stats["engine_steps"] == sum(group.loss_masks[0])
     # the next turn's request repeats the context so far: vLLM's prefix cache serves it
     assert worker.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
 
