@@ -134,7 +134,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
 
 
 TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_wait_seconds",
-              "observation_tokens")
+              "observation_tokens", "engine_steps")
 
 
 AGENT_STATS = ("agent_errors", "agent_timeouts", "template_drift", "off_chain_calls", "agent_requests",
@@ -161,14 +161,16 @@ def keep_agent_records(cfg, step: int, stats: Dict[str, float], records: Dict[st
 def episode_metrics(totals: Dict[str, float]) -> Dict[str, float]:
     """Per-step metrics of multi-turn episodes (none for single-turn runs): turns and calls per
     episode, failed calls, the seconds tools ran (summed over calls) and the seconds the engines
-    sat idle waiting only for tools, and the share of trained-on sequence that is tool output."""
+    sat idle waiting only for tools, the share of trained-on sequence that is tool output, and
+    the engines' steps (for the same tokens, fewer means fuller batches)."""
     if not totals.get("turns"):
         return {}
     n = max(totals["completions"], 1.0)
     return {"turns_mean": totals["turns"] / n, "tool_calls_mean": totals["tool_calls"] / n,
             "tool_errors": totals["tool_errors"], "tool_timeouts": totals["tool_timeouts"],
             "time_tools": totals["tool_seconds"], "time_tools_blocking": totals["tool_wait_seconds"],
-            "observation_token_fraction": totals["observation_tokens"] / max(totals["completion_tokens"], 1.0)}
+            "observation_token_fraction": totals["observation_tokens"] / max(totals["completion_tokens"], 1.0),
+            "engine_steps": totals.get("engine_steps", 0.0)}
 
 
 def generate_and_score(roles, requests: Sequence[GenerationRequest], n: int,
