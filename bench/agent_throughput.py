@@ -315,6 +315,8 @@ def main() -> None:
             "loop": ["rollout.agent=null", "rollout.tools=[calculator]", "rollout.tool_format=hermes",
                      "data.chat_template=true"]}
     chosen = set(args.runs.split(",")) | {"loop"}
+    if chosen - set(runs):
+        parser.error(f"--runs: unknown {', '.join(sorted(chosen - set(runs)))} (of: {', '.join(runs)})")
     runs = {name: extra for name, extra in runs.items() if name in chosen}
     for name, extra in runs.items():
         before = load_average()

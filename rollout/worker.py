@@ -243,10 +243,8 @@ class GenerationWorker:
         version = self.policy_version  # weights change only between calls, never during one
         seeds = self._request_seeds([r.seed for r in requests], greedy)
         if self.tools is not None or self.agents is not None:
-            from rollout.agent_episodes import run_agents
-
             steps = self.engine.steps
-            run = self._episodes if self.tools is not None else functools.partial(run_agents, self)
+            run = self._episodes if self.tools is not None else self._agent_episodes
             *groups, report = run(requests, n, greedy, seeds, temperature, version)
             report.stats["engine_steps"] = float(self.engine.steps - steps)
             return (*groups, report)
@@ -275,6 +273,11 @@ class GenerationWorker:
             "completion_tokens": float(sum(len(ids) for g in groups for ids in g.completion_ids)),
         }
         return (*groups, ChunkReport(stats, versions=(version,) * len(groups)))
+
+    def _agent_episodes(self, *args) -> Tuple[Any, ...]:
+        from rollout.agent_episodes import run_agents
+
+        return run_agents(self, *args)
 
     def _request_seeds(self, seeds: Sequence[int], greedy: bool) -> Sequence[Optional[int]]:
         """The seeds the requests carry: the prompts' own (rollout.seeded_sampling), or none,
