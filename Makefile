@@ -4,7 +4,7 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= cpu,test
+EXTRAS  ?= cpu,test,gym
 comma   := ,
 # One stamp per set of extras: asking for other extras installs them.
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))

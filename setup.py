@@ -16,7 +16,10 @@ COMMON = [
     "pyarrow",
     "matplotlib",
     "tqdm",
+    "cloudpickle",  # the Python trainer's callables travel in the config (common/plugins.py)
 ]
+# logger.backends beyond wandb; mlflow-skinny: the full mlflow package downgrades pyarrow and others.
+LOGGERS = ["tensorboard>=2.21", "mlflow-skinny>=3"]
 
 setup(
     name="grpo-ray",
@@ -34,7 +37,11 @@ setup(
         "gpu": ["vllm==0.32.0"],
         # ruff and the docs build run in the unit tier (tests/unit/test_lint.py, test_docs.py).
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "import-linter==2.17", "ruff==0.17.6",
-                 "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
+                 "mkdocs==1.6.1", "mkdocs-material==9.8.2", *LOGGERS],
+        # logger=tensorboard and logger=mlflow (the tests read their files back: in `test` too).
+        "loggers": LOGGERS,
+        # data=reasoning_gym and the reasoning_gym verifier (pycosat, a dependency, builds from source).
+        "gym": ["reasoning-gym==0.1.25"],
         # bench/vs_trl.py runs TRL's GRPOTrainer beside this project.
         "bench": ["trl==1.16.0"],
     },

@@ -6,7 +6,9 @@
 Part 1, for each model size: one DeepSpeed learner rank (ZeRO-2) and two vLLM generation actors,
 joined by the real sync channel (`sync.bucket_mb`, gloo on this CPU machine). Each push is timed
 end to end (driver's view: until both workers report the new version, loading included), and
-the learner's side alone (pack + broadcast: `sync_gbps`). Next to it, in the same process, a
+the learner's side alone (pack + broadcast: `sync_gbps`; its `sync_pack_seconds` and the
+receivers' `sync_wait_seconds` are the product's own metrics, measured after the work completed:
+CUDA events for packing, host waits that block until each bucket is whole). Next to it, in the same process, a
 plain memory copy of the same number of bytes (torch `copy_`), the ceiling of any transfer on
 one machine. The fixed cost per sync is the intercept of a least-squares line through the
 end-to-end times against bytes.
@@ -285,14 +287,16 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=["10M", "100M", "500M"])
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=64)
-    parser.add_argument("--transport", default="auto", choices=["auto", "broadcast", "shm"], help="sync.transport")
+    parser.add_argument("--transport", nargs="+", default=["auto"], choices=["auto", "broadcast", "shm"],
+                        help="sync.transport; two of them: compared in turn, --pairs rounds (bench/compare.py)")
+    parser.add_argument("--pairs", type=int, default=1, help="rounds of the --transport values in turn (A B A B ...)")
     parser.add_argument("--skip-generation", action="store_true", help="part 1 only")
     parser.add_argument("--cache", default=str(Path("~/.cache/grpo/models").expanduser()))
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks-per-worker", type=int, default=1, help="rollout.chunks_per_worker of the pool")
     parser.add_argument("--output", default=None,
-                        help="JSON results (default runs/bench/weight_sync.json, weight_sync_reload_alone.json)")
+                        help="JSON result (default bench/results/weight_sync.json, weight_sync_reload_alone.json)")
     parser.add_argument("--reload-alone", action="store_true",
                         help="only vLLM's reload in one engine (part 1b), per size and thread count")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the engine's threads (--reload-alone)")
@@ -303,10 +307,13 @@ def main() -> int:
                                                                    "generation rate; 0: none")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens per completion, same")
     args = parser.parse_args()
+    from bench import results_io
+
+    result = results_io.Result("weight_sync_reload_alone" if args.reload_alone else "weight_sync")
     if args.output is None:
-        args.output = f"runs/bench/weight_sync{'_reload_alone' if args.reload_alone else ''}.json"
+        args.output = str(results_io.RESULTS / f"{result.record['benchmark']}.json")
     if args.reload_alone:
-        return report_reloads(args)
+        return report_reloads(args, result)
     import ray
 
     from cluster.loop.launch import ACTOR_ENV
@@ -315,14 +322,16 @@ def main() -> int:
              runtime_env={"env_vars": ACTOR_ENV})
     rows = []
     for size in args.sizes:
-        rows.append(sync_size(size, args.cache, args.pushes, args.bucket_mb, args.transport))
-        print(json.dumps(rows[-1]), flush=True)
+        for pair in range(args.pairs):
+            for transport in args.transport:
+                rows.append({**sync_size(size, args.cache, args.pushes, args.bucket_mb, transport), "pair": pair})
+                print(json.dumps(rows[-1]), flush=True)
     gen = None if args.skip_generation else generation(args.cache, args.prompts, args.repeats, args.chunks_per_worker)
     print(json.dumps(gen), flush=True)
     ray.shutdown()
 
     fixed = None
-    if len(rows) >= 2:  # least squares: push_s = fixed + bytes / bandwidth
+    if len(args.sizes) >= 2 and len(args.transport) == 1:  # least squares: push_s = fixed + bytes / bandwidth
         xs, ys = [r["bytes"] for r in rows], [r["push_s"] for r in rows]
         mx, my = statistics.mean(xs), statistics.mean(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -341,16 +350,27 @@ def main() -> int:
               f"{gen['system_tokens_per_s']:.0f} |",
               f"| one standalone vLLM engine, same prompts and seeds | {gen['completions']} | "
               f"{gen['standalone_tokens_per_s']:.0f} |"]
+    summary = {"fixed_s": fixed, "generation": gen, "push_s": {}}
+    for size in args.sizes:
+        for transport in args.transport:
+            summary["push_s"][f"{size} {transport}"] = results_io.spread(
+                r["push_s"] for r in rows if r["size"] == size and r["transport"] == transport)
+        if len(args.transport) == 2:
+            from bench.compare import Comparison
+
+            a, b = ([r["push_s"] for r in rows if r["size"] == size and r["transport"] == t] for t in args.transport)
+            cmp = Comparison(a=a, b=b, lower_is_better=True, label_a=args.transport[0], label_b=args.transport[1])
+            summary.setdefault("comparison", {})[size] = cmp.summary()
+            lines.append(f"\n{size}: {cmp.sentence()} (push seconds, {args.transport[1]} / {args.transport[0]})")
     table = "\n".join(lines)
     print(table)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "sync": rows, "fixed_s": fixed, "generation": gen},
-                              indent=2) + "\n")
+    for run in rows:
+        result.add_run(run)
+    result.write(summary, path=Path(args.output))
     return 0
 
 
-def report_reloads(args) -> int:
+def report_reloads(args, result) -> int:
     rows = []
     for size in args.sizes:
         for threads in args.threads:
@@ -369,9 +389,18 @@ def report_reloads(args) -> int:
                      f"{r['memcpy_s']:.3f} s | {r['memcpy_s'] / fastest:.0%} | "
                      f"{'-' if r['gen_tokens_per_s'] is None else round(r['gen_tokens_per_s'])} |")
     print("\n".join(lines))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "reload_alone": rows}, indent=2) + "\n")
+    for run in rows:
+        result.add_run(run)
+    runs = {(r["size"], r["threads"], r["linear"]): r for r in rows}
+    # the same reload path for both layouts (the direct copy is the plain layers' alone)
+    summary = {f"{size}, {t} thread{'s' if t > 1 else ''}": {
+        "reload_onednn_over_torch": runs[(size, t, "onednn")]["reload_s"] / runs[(size, t, "torch")]["reload_s"],
+        "generation_torch_over_onednn": (runs[(size, t, "torch")]["gen_tokens_per_s"]
+                                         / runs[(size, t, "onednn")]["gen_tokens_per_s"])}
+        for size in args.sizes for t in args.threads
+        if (size, t, "onednn") in runs and (size, t, "torch") in runs
+        and runs[(size, t, "onednn")]["gen_tokens_per_s"] and runs[(size, t, "torch")]["gen_tokens_per_s"]}
+    result.write(summary, path=Path(args.output))
     return 0
 
 

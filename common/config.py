@@ -70,10 +70,13 @@ class Section(Freezable):
 
 # Allowed values, declared once (the learner's maths imports them from here).
 ADV_SCALES = ("group", "batch", "none")
+ADV_STDS = ("sample", "population")
 ADV_ESTIMATORS = ("grpo", "rloo", "gae")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
+CORRECTIONS = ("tis", "mis", "icepop", "seq_mask")
+DIGIT_DISTRIBUTIONS = ("uniform", "geometric")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 TOOLS = ("calculator", "python")
 TOOL_FORMATS = ("tag", "hermes")
@@ -111,8 +114,9 @@ class ModelConfig(Section):
 
 @dataclass
 class DataConfig(Section):
-    source: str = one_of(("arithmetic", "jsonl", "hf"))
-    """`arithmetic` (built-in generator), `jsonl` (local JSONL or Parquet file) or `hf` (datasets library)."""
+    source: str = one_of(("arithmetic", "jsonl", "hf", "reasoning_gym"))
+    """`arithmetic` (built-in generator), `jsonl` (local JSONL or Parquet file), `hf` (datasets library)
+    or `reasoning_gym` (reasoning-gym's procedural tasks, the `gym` extra)."""
     path: Optional[str] = None
     """jsonl: the file. hf: a local folder saved with `save_to_disk` (optional, instead of `name`)."""
     name: Optional[str] = None
@@ -128,15 +132,30 @@ class DataConfig(Section):
     heldout_size: int = 200
     """Rows kept out of training and used for the greedy accuracy before/after GRPO."""
     num_train: int = 0
-    """arithmetic: training problems to generate (0 = every problem not held out)."""
+    """arithmetic, reasoning_gym: training problems to generate (0 = every problem not held out;
+    reasoning_gym: 10000)."""
     min_digits: int = 2
     """arithmetic: fewest digits of an operand (at least 2)."""
     max_digits: int = 2
     """arithmetic: most digits of an operand."""
+    digit_distribution: str = one_of(DIGIT_DISTRIBUTIONS)
+    """arithmetic: how a problem's digit count is drawn from min_digits..max_digits: `uniform`
+    per operand, or `geometric` for the longer operand (each digit more is digit_decay times as
+    likely: most answers short, a few long, as in `data=long_tail`)."""
+    digit_decay: float = 0.5
+    """arithmetic, geometric digit counts: how much likelier d digits are than d + 1 (0 < decay < 1)."""
     op: str = one_of(("add", "mul"))
     """arithmetic: `add` (`a+b=`, with a scratchpad of digit sums to warm up on) or `mul`
     (`a*b=`: with rollout.tools=[calculator] the warm-up traces call the calculator; without a
     tool they are the bare answer, which a small model cannot learn for 3-4 digit operands)."""
+    task: Optional[str] = None
+    """reasoning_gym: the task, a reasoning-gym dataset name (e.g. `chain_sum`)."""
+    tasks: Dict[str, float] = field(default_factory=dict)
+    """reasoning_gym: several tasks mixed through reasoning-gym's composite, name -> weight
+    (instead of `task`); metrics then get a `task_score/<name>` column each."""
+    task_config: Dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym: the task's own config keys (e.g. `+data.task_config.max_terms=3`); with
+    `tasks`, one mapping per task name."""
     prompt_template: Optional[str] = None
     """A format string over the row's fields, e.g. `"{question}\\nPut your final answer within
     \\\\boxed{{}}."` (`{prompt}` is the prompt field; `{{ }}` literal braces). None: the prompt as is."""
@@ -165,9 +184,15 @@ class DataConfig(Section):
             raise ConfigError("data.path is required with data=jsonl (a .jsonl or .parquet file)")
         if self.source == "hf" and not (self.name or self.path):
             raise ConfigError("data.name (or data.path of a saved dataset) is required with data=hf")
+        if self.source == "reasoning_gym" and not (self.task or self.tasks):
+            raise ConfigError("data.task is required with data=reasoning_gym (e.g. data.task=chain_sum)")
+        if self.source == "reasoning_gym" and self.task and self.tasks:
+            raise ConfigError("data.task and data.tasks: name one task, or several with weights, not both")
         if self.source == "arithmetic":
             at_least("data.min_digits", self.min_digits, 2)
             at_least("data.max_digits", self.max_digits, self.min_digits)
+            if self.digit_distribution == "geometric" and not 0 < self.digit_decay < 1:
+                raise ConfigError(f"data.digit_decay must be between 0 and 1, both excluded (got {self.digit_decay})")
 
 
 @dataclass
@@ -184,6 +209,9 @@ class AlgoConfig(Section):
     """mu: passes over each batch of rollouts."""
     adv_scale: str = one_of(ADV_SCALES)
     """Advantage scaling: `group` std, `batch` std, or `none` (Dr. GRPO)."""
+    adv_std: str = one_of(ADV_STDS)
+    """The std that adv_scale divides by: `sample` (1/(n-1), as veRL, TRL and OpenRLHF) or
+    `population` (1/n; advantages larger by sqrt(n/(n-1)): 1.069x at G=8, 1.155x at 4, 1.414x at 2)."""
     adv_estimator: str = one_of(ADV_ESTIMATORS)
     """`grpo` (group-mean baseline), `rloo` (leave-one-out baseline), or `gae`: PPO with a
     critic (a value model of the policy's architecture, its own DeepSpeed engine), the baseline
@@ -219,7 +247,25 @@ class AlgoConfig(Section):
     is_cap: float = 2.0
     """Truncated importance sampling: each token's loss is weighted by
     min(pi_old / pi_sampler, is_cap), correcting for the sampler's weights being older (async
-    mode) or numerically different (vLLM vs the learner). 0: off."""
+    mode) or numerically different (vLLM vs the learner). 0: off. Used by correction=tis."""
+    correction: str = one_of(CORRECTIONS)
+    """How each token's ratio pi_old / pi_sampler enters the loss (docs/design.md, "Corrections"):
+    `tis` weights it by min(ratio, is_cap); `mis` (masked IS) by the ratio inside [mis_low,
+    mis_high] and leaves tokens outside out; `icepop` the same two-sided mask with icepop_low/high;
+    `seq_mask` leaves out every token of a completion whose geometric-mean ratio is outside
+    [seq_mask_low, seq_mask_high]. Every step logs what each would mask (masked_fraction_*)."""
+    mis_low: float = 0.0
+    """correction=mis: tokens whose ratio is below this leave the loss (0: no lower bound)."""
+    mis_high: float = 2.0
+    """correction=mis: tokens whose ratio is above this leave the loss."""
+    icepop_low: float = 0.5
+    """correction=icepop: lower bound of the ratio (IcePop's published 0.5)."""
+    icepop_high: float = 5.0
+    """correction=icepop: upper bound of the ratio (IcePop's published 5)."""
+    seq_mask_low: float = 0.99
+    """correction=seq_mask: lower bound of a completion's geometric-mean ratio."""
+    seq_mask_high: float = 1.01
+    """correction=seq_mask: upper bound of a completion's geometric-mean ratio."""
     max_staleness: int = 1
     """trainer.mode=async: a group made by weights more than this many versions older than the
     learner's is dropped (counted in `dropped_stale`) and its prompt generated again."""
@@ -233,6 +279,14 @@ class AlgoConfig(Section):
         at_least("algo.max_sampling_rounds", self.max_sampling_rounds, 1)
         if self.is_cap != 0 and self.is_cap < 1:
             raise ConfigError(f"algo.is_cap must be 0 (off) or at least 1 (got {self.is_cap})")
+        for kind in ("mis", "icepop", "seq_mask"):
+            low, high = getattr(self, f"{kind}_low"), getattr(self, f"{kind}_high")
+            if low >= high or low < 0:
+                raise ConfigError(f"algo.{kind}_low={low:g}, algo.{kind}_high={high:g}: inverted bounds "
+                                  "(need 0 <= low < high)")
+            if not low <= 1 <= high:
+                raise ConfigError(f"algo.{kind}_low={low:g}, algo.{kind}_high={high:g}: the bounds exclude 1, "
+                                  "the ratio of on-policy tokens (need low <= 1 <= high)")
 
 
 @dataclass
@@ -289,13 +343,16 @@ class RolloutConfig(Section):
     """A seed of its own for each prompt's samples (from trainer.seed, the step and the prompt).
     `true`: a prompt's samples depend only on the weights and its seed, not on which engine
     draws it or what shares its batch, so a run and its resume repeat their samples (bitwise on
-    CPUs; on GPUs up to their kernels' own nondeterminism); on GPUs vLLM then draws each seeded
-    request's tokens one by one at every decode step. `false`: requests carry no seed and each
-    engine's sampler is seeded once per generate call from that call's prompts: the GPU sampler
-    draws for the whole batch at once, and samples repeat only when the same prompts reach an
-    engine with the same weights and are batched the same way (a chunk that another worker
-    takes after a restart, or that vLLM batches or preempts differently, samples differently).
-    `auto`: true on CPU engines (num_gpus_per_worker=0), where seeds cost nothing; false on GPUs."""
+    CPUs; on GPUs up to their kernels' own nondeterminism). On GPUs vLLM 0.32 runs Model Runner
+    V2, which hashes each request's seed with the token's position, so a seed costs only
+    FlashInfer's fused top-k/top-p path (already off when processed log-probs are returned); the
+    V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) draws seeded requests one by one. `false`: requests
+    carry no seed and each engine's sampler is seeded once per generate call from that call's
+    prompts (torch's generators for V1, numpy's, which V2 draws each request's seed from, for V2):
+    samples repeat only when the same prompts reach an engine with the same weights in the same
+    order and batches (a chunk that another worker takes after a restart, or that vLLM batches or
+    preempts differently, samples differently). `auto`: true, except on GPU engines told to run
+    the V1 runner."""
     engine_core: str = one_of(("auto", "actor", "process"))
     """Where vLLM's engine core runs. `actor`: inside the generation actor (no round trip per
     call, one import of torch and vLLM). `process`: a child process of the actor, as vLLM runs it
@@ -320,6 +377,20 @@ class RolloutConfig(Section):
     to whichever worker is free and scored as soon as it is done; more chunks even out the
     finish when completion lengths vary a lot, fewer batch better (on the built-in task one
     chunk per worker is fastest: bench/end_to_end.py)."""
+    streaming: bool = False
+    """trainer.mode=async: each engine keeps its batch full, taking the next prompts as its
+    requests finish instead of draining a chunk, and each group is scored as it ends; a step
+    takes its prompts' groups in the order they were issued (bench/long_tail.py). A weight push
+    waits for the engines' running requests unless rollout.partial."""
+    partial: bool = False
+    """rollout.streaming: a weight push reaches each engine between two of its steps; running
+    requests keep their KV cache and go on with the new weights, and each sample records the
+    versions of its spans (the oldest is its policy_version, bounded by algo.max_staleness)."""
+    stream_steps: int = 16
+    """rollout.streaming: engine steps per streaming call at most (a push waits for one call)."""
+    stream_groups: int = 0
+    """rollout.streaming: prompt groups each engine carries at once; 0: as many as its batch
+    holds (vLLM's max_num_seqs / algo.group_size)."""
     max_new_tokens: int = 32
     """Longest completion in tokens."""
     min_new_tokens: int = 0
@@ -421,6 +492,10 @@ class RolloutConfig(Section):
             raise ConfigError(f"rollout.tool_timeout_s must be above 0 (got {self.tool_timeout_s})")
         for key in ("num_workers", "max_new_tokens", "chunks_per_worker", "tensor_parallel_size"):
             at_least(f"rollout.{key}", getattr(self, key), 1)
+        at_least("rollout.stream_steps", self.stream_steps, 1)
+        at_least("rollout.stream_groups", self.stream_groups, 0)
+        if self.partial and not self.streaming:
+            raise ConfigError("rollout.partial=true needs rollout.streaming=true (and trainer.mode=async)")
         at_least("rollout.top_k", self.top_k, 0)
         gpus, tp = self.num_gpus_per_worker, self.tensor_parallel_size
         if gpus and gpus != tp:
@@ -501,6 +576,13 @@ class LearnerConfig(Section):
     by length so that each is padded only to its own longest row, and accumulate their
     gradients before the optimizer step; 0: the whole minibatch in one, padded to the batch's
     longest row. Bounds the learner's activation memory; raise it on large GPUs."""
+    pack_sequences: bool = False
+    """Run each micro-batch as one packed row (its rows' tokens end to end, position ids
+    restarting per row, no attention mask: transformers builds the block-causal mask from them)
+    and cut micro-batches by real tokens, so no forward works on padding; the same loss and
+    gradient as the padded path. For long-tailed lengths, where the step's `padded_fraction`
+    stays high after sorting by length (docs/learner.md, "Packing"). The model's forward must
+    take position_ids; PPO's value model stays padded."""
     minibatches: int = 2
     """Optimizer steps per pass over a batch of rollouts; the later ones are off-policy, which
     is what the PPO clip is for."""
@@ -546,6 +628,97 @@ class LearnerConfig(Section):
         if self.num_gpus_per_rank not in (0, 1):
             raise ConfigError(f"learner.num_gpus_per_rank={self.num_gpus_per_rank:g}: a learner rank uses one "
                               "whole GPU (1) or none (0); NCCL refuses two ranks on one GPU")
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        """ZeRO-Offload (`learner.deepspeed.zero_optimization.offload_optimizer`): learner/engines.py
+        steps it with DeepSpeed's CPU Adam, which exists for these devices and AdamW only."""
+        zero = dict(dict(self.deepspeed or {}).get("zero_optimization") or {})
+        offload = zero.get("offload_optimizer")
+        if offload is None:
+            return
+        device = dict(offload).get("device", "none") if isinstance(offload, dict) else offload
+        key = "learner.deepspeed.zero_optimization.offload_optimizer.device"
+        if device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{key}={device!r}: must be cpu or nvme (or none)")
+        if device == "none":
+            return
+        if self.optimizer != "adamw":
+            raise ConfigError(f"{key}={device}: the offloaded optimizer is DeepSpeed's CPU Adam; "
+                              f"learner.optimizer={self.optimizer} has no host version (use adamw)")
+        if int(zero.get("stage", self.zero_stage)) < 1:
+            raise ConfigError(f"{key}={device}: ZeRO-Offload needs ZeRO stage 1, 2 or 3")
+        if device == "nvme" and not dict(offload).get("nvme_path"):
+            raise ConfigError(f"{key}=nvme needs learner.deepspeed.zero_optimization.offload_optimizer.nvme_path")
+
+
+@dataclass
+class RewardModelConfig(Section):
+    path: Optional[str] = None
+    """reward_model: a local Hugging Face sequence-classification folder with one logit (its
+    config sets `pad_token_id`); the `reward_model` verifier scores prompt + completion with it."""
+    num_workers: int = 1
+    """reward_model: Ray actors that serve the model (a pool of its own beside the verifier pool)."""
+    num_cpus_per_worker: float = 0.0
+    """reward_model: Ray CPUs reserved per actor, outside the roles' placement groups (0: none, so
+    that the default roles, which reserve every CPU of a 2-core machine, leave it room)."""
+    num_gpus_per_worker: float = 0.0
+    """reward_model: Ray GPUs per actor (0: the model runs on CPU)."""
+    batch_size: int = 64
+    """reward_model: completions per forward pass."""
+    normalize: str = one_of(("none", "sigmoid"))
+    """reward_model: the score is the logit (`none`) or its sigmoid, in (0, 1) like the rule verifiers."""
+    timeout_s: float = 60.0
+    """reward_model: a batch not scored within this scores 0 and counts as timed out."""
+
+    def check(self, name: str = "reward.model") -> None:
+        super().check(name)
+        at_least(f"{name}.num_workers", self.num_workers, 1)
+        at_least(f"{name}.batch_size", self.batch_size, 1)
+        if self.timeout_s <= 0:
+            raise ConfigError(f"{name}.timeout_s must be positive (got {self.timeout_s})")
+
+
+@dataclass
+class JudgeConfig(Section):
+    path: Optional[str] = None
+    """judge: a local causal-LM folder, served by vLLM engines of the judge's own."""
+    num_workers: int = 1
+    """judge: vLLM engines (Ray actors) that judge."""
+    num_cpus_per_worker: float = 0.0
+    """judge: Ray CPUs reserved per engine, outside the roles' placement groups (0: none)."""
+    num_gpus_per_worker: float = 0.0
+    """judge: Ray GPUs per engine (0: vLLM's CPU build)."""
+    template: str = "Question: {prompt}\nAnswer: {completion}\nReference: {answer}\nCorrect (yes or no)? "
+    """judge: the judge's prompt, a format string over `{prompt}`, `{completion}` (required) and `{answer}`."""
+    verdict: str = one_of(("yes_no", "number"))
+    """judge: how the reply is read: `yes_no` (the first yes or no: 1 or 0) or `number` (the first
+    number, divided by `max_score` and clipped to [0, 1])."""
+    verdict_pattern: Optional[str] = None
+    """judge: a regex whose first group is the verdict, instead of the rule's own (`\\b(yes|no)\\b`
+    ignoring case, or the first number)."""
+    max_score: float = 1.0
+    """judge: number verdicts: the score that means fully right (e.g. 10 for a 0-10 scale)."""
+    unparseable_score: float = 0.0
+    """judge: the score of a reply with no verdict (counted per step as `judge_unparseable`)."""
+    max_new_tokens: int = 8
+    """judge: tokens of the reply (greedy)."""
+    max_model_len: int = 0
+    """judge: the engine's context, the rendered template plus max_new_tokens (0: the model's own
+    max_position_embeddings)."""
+    kv_cache_gib: float = 0.25
+    """judge: each CPU engine's KV cache."""
+    timeout_s: float = 120.0
+    """judge: a batch not judged within this scores 0 and counts as timed out."""
+
+    def check(self, name: str = "reward.judge") -> None:
+        super().check(name)
+        at_least(f"{name}.num_workers", self.num_workers, 1)
+        at_least(f"{name}.max_new_tokens", self.max_new_tokens, 1)
+        if self.max_score <= 0:
+            raise ConfigError(f"{name}.max_score must be positive (got {self.max_score})")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"{name}.timeout_s must be positive (got {self.timeout_s})")
 
 
 @dataclass
@@ -572,16 +745,31 @@ class RewardConfig(Section):
     `language` field wins."""
     length_budget: int = 1024
     """length: characters allowed before the penalty starts (it reaches -1 at twice this)."""
+    gym_extract: str = one_of(("answer", "whole"))
+    """reasoning_gym: what the task's `score_answer` gets: `answer`, the last `<answer>` block (else
+    the last `\\boxed{}`), as math extracts it; `whole`, the completion stripped. No answer scores 0."""
+    gym_score_floor: float = 0.1
+    """reasoning_gym: a task's score below this counts 0. Several tasks give 0.01-0.05 to any
+    wrong answer, which would make an all-wrong group look informative (format noise with
+    advantages of +-1) and keep it past dynamic sampling; 0 keeps every score as the task gives it."""
     sandbox_memory_mb: int = 1024
     """code: address-space limit of the sandboxed program."""
     sandbox_max_file_mb: int = 16
     """code: largest file the program may write."""
     sandbox_max_processes: int = 64
     """code: processes the sandbox may run at once."""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """The `reward_model` verifier's model and its pool of actors."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The `judge` verifier: an LLM judge on vLLM engines of its own."""
 
     def check(self, name: str = "reward") -> None:
         super().check(name)
+        self.model.check(f"{name}.model")
+        self.judge.check(f"{name}.judge")
         at_least("reward.num_workers", self.num_workers, 1)
+        if not 0 <= self.gym_score_floor <= 1:
+            raise ConfigError(f"reward.gym_score_floor must be between 0 and 1 (got {self.gym_score_floor})")
 
 
 @dataclass
@@ -621,11 +809,11 @@ class TrainerConfig(Section):
     progress: bool = True
     """Show the terminal progress bar."""
     save_every: int = 10
-    """Write a checkpoint every N GRPO steps and at the last one (0: never). Every 10 steps a
-    save costs about 1% of the run time, for the default job and for a 100 M model alike (a
-    save takes a tenth of a step or less: docs/performance.md, "Checkpoint cost"), and a lost
-    learner rank or a killed driver repeats at most 9 steps. Raise it where one save takes
-    longer than half a step (a large model on fast GPUs with a slow shared file system)."""
+    """Write a checkpoint every N GRPO steps and at the last one (0: never). A lost learner rank
+    or a killed driver repeats at most N - 1 steps; what the saves cost is the run summary's
+    `checkpoint_seconds` (docs/performance.md, "Checkpoint cost", measures it). Raise it where
+    one save takes longer than half a step (a large model on fast GPUs with a slow shared file
+    system)."""
     keep_checkpoints: int = 2
     """Newest complete checkpoints kept (0: all)."""
     resume: Optional[str] = None
@@ -724,14 +912,60 @@ class RayConfig(Section):
     to check how roles are laid out on GPUs)."""
 
 
+LOGGERS = ("wandb", "tensorboard", "mlflow")
+MLFLOW_SCHEMES = ("file", "http", "https", "databricks")
+
+
 @dataclass
 class LoggerConfig(Section):
-    backend: str = one_of(("wandb", "none"))
-    """`wandb` or `none`; metrics.jsonl is always written."""
+    backends: List[str] = field(default_factory=lambda: ["wandb"])
+    """Dashboards the metrics also go to, any of wandb, tensorboard, mlflow (`logger=none`: []);
+    metrics.jsonl is always written. `logger=[wandb,tensorboard]` picks several groups."""
     project: str = "grpo"
-    """wandb project."""
+    """wandb project and MLflow experiment."""
     mode: str = one_of(("offline", "online", "disabled"))
     """wandb mode unless WANDB_MODE is set: offline, online or disabled."""
+    mlflow_tracking_uri: Optional[str] = None
+    """mlflow: the tracking server or store (http(s)://, file:, databricks); None: a file store in
+    the run folder (`mlruns/`)."""
+    timeout_s: float = 30.0
+    """The longest a dashboard's request may take, and how long the run's end waits for each
+    dashboard to finish; one that fails or hangs is warned about once and left behind."""
+
+    def check(self, name: str = "logger") -> None:
+        super().check(name)
+        for backend in self.backends:
+            if backend not in LOGGERS:
+                raise ConfigError(f"logger.backends: unknown logger '{backend}' (one of {', '.join(LOGGERS)}; "
+                                  "none: logger=none)")
+        if self.mlflow_tracking_uri is not None:
+            problem = _uri_problem(self.mlflow_tracking_uri)
+            if problem:
+                raise ConfigError(f"logger.mlflow_tracking_uri='{self.mlflow_tracking_uri}': {problem}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"logger.timeout_s must be positive (got {self.timeout_s})")
+
+
+def _uri_problem(uri: str) -> Optional[str]:
+    """Why MLflow could not use `uri` as a tracking URI (None if it can)."""
+    from urllib.parse import urlparse
+
+    try:
+        parsed = urlparse(uri)
+        parsed.port  # noqa: B018  (raises ValueError on a port that is not a number)
+    except ValueError as exc:
+        return f"not a URI ({exc})"
+    if parsed.scheme not in MLFLOW_SCHEMES:
+        return (f"the scheme '{parsed.scheme}' is not one MLflow's client here can use "
+                f"({', '.join(s + ':' for s in MLFLOW_SCHEMES)})" if parsed.scheme else
+                "no scheme: use file:///absolute/path for a local store, or http(s)://host:port")
+    if parsed.scheme in ("http", "https") and not parsed.hostname:
+        return "no host (e.g. http://mlflow.example:5000)"
+    if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+        return "a file: URI names a local folder (file:///absolute/path)"
+    if any(ch.isspace() for ch in uri):
+        return "it contains white space"
+    return None
 
 
 @dataclass
@@ -767,9 +1001,27 @@ class Config(Freezable):
             raise ConfigError(f"learner.minibatches={learner.minibatches} exceeds the "
                               f"{groups_per_rank * algo.group_size} completions each learner rank gets per step")
         _check_lora(self)
+        _check_streaming(self)
         if self.warmup.steps and self.warmup.batch_size % learner.num_ranks:
             raise ConfigError(f"warmup.batch_size={self.warmup.batch_size} cannot be split over "
                               f"learner.num_ranks={learner.num_ranks}")
+
+
+def _check_streaming(cfg: "Config") -> None:
+    """Streaming and partial rollouts against the rest of the run."""
+    rollout = cfg.rollout
+    if rollout.streaming and cfg.trainer.mode != "async":
+        raise ConfigError("rollout.streaming=true needs trainer.mode=async (sync mode generates each step's "
+                          "batch with the learner's weights, on-policy)")
+    if not rollout.partial:
+        return
+    if cfg.algo.max_staleness == 0:
+        raise ConfigError("rollout.partial=true with algo.max_staleness=0: a sample that spans a push is always "
+                          "a version old; allow at least 1")
+    if cfg.learner.lora.rank and cfg.learner.lora.push == "adapter":
+        raise ConfigError("rollout.partial=true with learner.lora.push=adapter: an engine serves one adapter "
+                          "version at a time, so running requests cannot move to a new one; use "
+                          "learner.lora.push=merged or rollout.partial=false")
 
 
 def _check_lora(cfg: "Config") -> None:

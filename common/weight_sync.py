@@ -3,7 +3,7 @@
 One process group joins learner rank 0 (group rank 0, the root) and every vLLM worker process
 of every generation actor (ranks 1..N; a tensor-parallel engine has one per TP rank). The
 weights travel as flat buckets of about `bucket_mb`, one broadcast per bucket: a broadcast per
-tensor is far slower (gloo on one machine: 1.8 GB/s in 1 MB buckets, 4.5 GB/s in 64 MB ones).
+tensor is far slower (gloo's rate falls with the bucket's size: bench/weight_sync.py --bucket-mb).
 The group is NCCL when the learner is on a GPU (buckets live on the GPUs), gloo otherwise. When
 every receiver is on the learner's node and the group is gloo, the buckets go through a
 shared-memory file instead (written once, read by every engine) and the group carries only
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -163,6 +164,17 @@ class SyncGroup:
     group: object
     device: str
     """Where the buckets must live for this group's backend: cuda for NCCL, cpu for gloo."""
+    timeout_s: float = 300.0
+    """What every wait on this group's collectives may take (`finish`)."""
+
+
+class SyncWaitError(RuntimeError):
+    """A collective of the sync group did not finish within the group's timeout, or failed: the
+    group is broken (the channel rebuilds it) and nothing of the bucket may be loaded."""
+
+
+NCCL_HINT = ("check that every member can reach the others on the interface NCCL picks (NCCL_SOCKET_IFNAME), "
+             "InfiniBand (NCCL_IB_DISABLE=1 to rule it out, NCCL_IB_HCA), and NCCL_DEBUG=INFO's log")
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
@@ -170,7 +182,7 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     """Join the sync group. Rank 0 hosts the TCPStore rendezvous.
 
     `wait_for_workers=False` lets the root's store start without blocking until every receiver
-    has connected; the first collective is what waits for all of them (bounded by timeout_s).
+    has connected; the join probe (`connect`) then waits for all of them, bounded by timeout_s.
     The group is built directly on its store, apart from the default process group: the
     learner's DeepSpeed group and vLLM's own groups are untouched by it.
     """
@@ -190,10 +202,65 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
         # group keeps its setting.
         with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):
             group = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        return SyncGroup(store=store, group=group, device=f"cuda:{torch.cuda.current_device()}")
-    if backend != "gloo":
+        sync_group = SyncGroup(store=store, group=group, device=f"cuda:{torch.cuda.current_device()}",
+                               timeout_s=timeout_s)
+    elif backend == "gloo":
+        sync_group = SyncGroup(store=store, group=dist.ProcessGroupGloo(store, rank, world_size, timeout),
+                               device="cpu", timeout_s=timeout_s)
+    else:
         raise ValueError(f"weight sync backend must be nccl or gloo, got {backend!r}")
-    return SyncGroup(store=store, group=dist.ProcessGroupGloo(store, rank, world_size, timeout), device="cpu")
+    connect(sync_group, f"{backend}, rank {rank} of {world_size}, rendezvous {host}:{port}")
+    return sync_group
+
+
+def _probe_tensor(device: str) -> torch.Tensor:
+    return torch.zeros(1, device=device)
+
+
+def connect(sync_group: SyncGroup, where: str) -> None:
+    """Connect the group now, with one one-element broadcast that every member makes at its join.
+
+    A ProcessGroupNCCL made without a device creates its communicator at the first collective:
+    without this, a wrong NCCL_SOCKET_IFNAME or an unreachable InfiniBand would first show after
+    the first training step, inside a push. NCCL's communicator set-up blocks the calling thread
+    and no work handle bounds it, so the probe runs in a thread of its own and the join gives up
+    after the group's timeout (the thread is left behind: the run ends on this error)."""
+    box: Dict[str, BaseException] = {}
+
+    def probe() -> None:
+        try:
+            finish(sync_group, start_broadcast(sync_group, _probe_tensor(sync_group.device)), "the join probe")
+        except BaseException as error:  # handed to the joining thread below
+            box["error"] = error
+
+    thread = threading.Thread(target=probe, name="weight-sync-join-probe", daemon=True)
+    thread.start()
+    thread.join(sync_group.timeout_s + 1.0)  # the probe's own wait is bounded by the timeout itself
+    nccl = sync_group.device.startswith("cuda")
+    hint = f"; {NCCL_HINT}" if nccl else ""
+    if thread.is_alive():
+        raise SyncWaitError(f"joining the weight-sync group ({where}): not connected within "
+                            f"{sync_group.timeout_s:g}s{hint}")
+    if "error" in box:
+        cause = box["error"].__cause__ or box["error"]  # what the collective raised, not finish's wrapper
+        raise SyncWaitError(f"joining the weight-sync group ({where}) failed: "
+                            f"{str(cause).strip().splitlines()[0][:300]}{hint}") from box["error"]
+
+
+def finish(sync_group: SyncGroup, work, what: str) -> None:
+    """Wait for a collective of the group, at most the group's timeout, and raise if it did not
+    complete. On NCCL, `Work.wait()` without a timeout only makes the current CUDA stream wait
+    and returns at once, and a collective that then times out aborts the communicator without
+    any host call raising: the receiver would load whatever its empty bucket held. Given a
+    timeout, the host blocks until the bytes are there and raises otherwise (gloo raises either
+    way)."""
+    try:
+        done = work.wait(datetime.timedelta(seconds=sync_group.timeout_s))
+    except RuntimeError as error:  # gloo: "Operation timed out!"; NCCL: DistBackendError
+        raise SyncWaitError(f"weight sync: {what} did not complete within sync.timeout_s="
+                            f"{sync_group.timeout_s:g}s: {str(error).strip().splitlines()[0][:200]}") from error
+    if done is False:
+        raise SyncWaitError(f"weight sync: {what} did not complete within sync.timeout_s={sync_group.timeout_s:g}s")
 
 
 @contextlib.contextmanager
@@ -211,9 +278,8 @@ def _env(name: str, value: str):
 
 class PushClock:
     """Seconds of a push from its start. With NCCL the bytes move on the GPU's streams, so the
-    clock is a pair of CUDA events recorded on the current stream (after every broadcast's
-    `wait()` orders it behind them), read once the end event completed; otherwise the host's
-    clock."""
+    clock is a pair of CUDA events recorded on the current stream (behind every broadcast, which
+    `finish` waited for), read once the end event completed; otherwise the host's clock."""
 
     def __init__(self, sync_group: Optional[SyncGroup]):
         self.cuda = sync_group is not None and sync_group.device.startswith("cuda")
@@ -231,9 +297,38 @@ class PushClock:
         return self.start_event.elapsed_time(end) / 1000.0
 
 
+class SpanTimer:
+    """Seconds spent in spans of work (`with timer.span(): ...`), added up. On a GPU the work is
+    asynchronous (the host's clock would time kernel launches): each span is a pair of CUDA
+    events on the current stream, read by `seconds()` once the last has completed."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.host_s = 0.0
+        self.events: List[tuple] = []
+
+    @contextlib.contextmanager
+    def span(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+            return
+        started = time.perf_counter()
+        yield
+        self.host_s += time.perf_counter() - started
+
+    def seconds(self) -> float:
+        if self.events:
+            self.events[-1][1].synchronize()
+        return self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000.0
+
+
 def start_broadcast(sync_group: SyncGroup, tensor: torch.Tensor):
-    """Start a broadcast from rank 0 (the learner) in place; returns its work handle (`.wait()`
-    raises on the group's timeout). The tensor must stay alive until then."""
+    """Start a broadcast from rank 0 (the learner) in place; returns its work handle, for
+    `finish`. The tensor must stay alive until then."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
@@ -243,7 +338,7 @@ def start_broadcast(sync_group: SyncGroup, tensor: torch.Tensor):
 
 def broadcast(sync_group: SyncGroup, tensor: torch.Tensor) -> None:
     """Broadcast from rank 0 (the learner) in place; raises on the group's timeout."""
-    start_broadcast(sync_group, tensor).wait()
+    finish(sync_group, start_broadcast(sync_group, tensor), "a broadcast")
 
 
 def received_buckets(sync_group: SyncGroup, spec: WeightSpec, timings: Dict[str, float]) -> Iterator[
@@ -251,7 +346,9 @@ def received_buckets(sync_group: SyncGroup, spec: WeightSpec, timings: Dict[str,
     """Each bucket of `spec` as it arrives, the next one already on its way while the caller
     loads this one (the sender packs bucket i+1 while bucket i is on the wire, and a receiver
     loads bucket i while bucket i+1 arrives). `timings["wait_s"]` adds up the time spent waiting
-    for bytes (the rest of the caller's time is its own loading)."""
+    for bytes (the rest of the caller's time is its own loading): `finish` blocks the host until
+    a bucket is whole, on NCCL too, so this is the bytes' time, not a kernel launch's. A bucket
+    that did not arrive whole raises before it is handed over."""
     buckets = spec.buckets()
     views = shm_buckets(spec) if spec.shm_path else None
 
@@ -266,7 +363,7 @@ def received_buckets(sync_group: SyncGroup, spec: WeightSpec, timings: Dict[str,
     for i, bucket in enumerate(buckets):
         flat, work = ahead
         started = time.perf_counter()
-        work.wait()
+        finish(sync_group, work, f"bucket {i + 1} of {len(buckets)}")
         timings["wait_s"] = timings.get("wait_s", 0.0) + time.perf_counter() - started
         ahead = begin(buckets[i + 1]) if i + 1 < len(buckets) else None
         if views is not None:

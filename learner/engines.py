@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -54,6 +55,74 @@ def with_fp32_accumulation(config: dict, user: dict) -> dict:
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+def offloads_optimizer(config: dict) -> bool:
+    """Whether the DeepSpeed config offloads the optimizer (ZeRO-Offload: `offload_optimizer.device`
+    cpu or nvme; common/config.py refuses any other device)."""
+    offload = dict(dict(config.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    return offload.get("device") in OFFLOAD_DEVICES
+
+
+def make_optimizer(params, cfg: LearnerConfig, config: dict):
+    """The rank's optimizer over `params`. Offloaded, it is DeepSpeed's CPU Adam (AdamW's
+    arithmetic, torch's defaults): DeepSpeed refuses a client torch optimizer with ZeRO-Offload
+    (`zero_force_ds_cpu_optimizer`, true by default), and a torch AdamW stepping on the host would
+    run on the threads Ray gives the actor's torch, one for a fractional CPU. The CPU Adam runs
+    vectorised on OpenMP threads, `host_optimizer_threads`."""
+    if offloads_optimizer(config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
+    return OPTIMIZERS[cfg.optimizer](params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def host_optimizer_threads(cfg: LearnerConfig, on_gpu: bool) -> int:
+    """Threads for the offloaded optimizer's step: the rank's CPUs (on CPUs the planned
+    `learner.num_threads`; on GPUs the CPUs Ray reserved for the actor, learner.num_cpus_per_rank)."""
+    if not on_gpu:
+        return max(cfg.num_threads, 1)
+    import ray
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0) if ray.is_initialized() else 0.0
+    return max(1, int(cpus or cfg.num_cpus_per_rank))
+
+
+def prepare_host_optimizer(cfg: LearnerConfig, on_gpu: bool) -> str:
+    """Before a rank's first engine with an offloaded optimizer: the op's threads set
+    (`host_optimizer_line` says how many)."""
+    # The op's OpenMP runtime is not torch's (torch ships its own): it reads OMP_NUM_THREADS
+    # when the op is loaded.
+    os.environ["OMP_NUM_THREADS"] = str(host_optimizer_threads(cfg, on_gpu))
+    return host_optimizer_line(cfg, on_gpu)
+
+
+def host_optimizer_line(cfg: LearnerConfig, on_gpu: bool) -> Optional[str]:
+    """The start line of a run whose optimizer is offloaded (None otherwise): on how many threads
+    DeepSpeed's CPU Adam steps, and whether its op must be compiled first (a JIT build of minutes
+    on a few cores, behind a lock file in torch's extensions folder that a process killed while
+    building leaves behind: every later build then waits on it). The driver says it before the
+    learner ranks start, on its own node's extensions folder."""
+    if not offloads_optimizer(dict(cfg.deepspeed or {})):
+        return None
+    threads = host_optimizer_threads(cfg, on_gpu)
+    line = f"ZeRO-Offload: the optimizer steps on the host with DeepSpeed's CPU Adam, {threads} thread{'s' if threads != 1 else ''} (the rank's CPUs)"
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get("cpu_adam"):
+        return line + "; its op is prebuilt"
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = _get_build_directory("cpu_adam", verbose=False)
+    if os.path.exists(os.path.join(folder, "cpu_adam.so")):
+        return line + f"; its op is built ({folder})"
+    line += f"; compiling its op first (minutes on a few cores, once per machine, into {folder})"
+    if os.path.exists(os.path.join(folder, "lock")):
+        line += (f"; its lock file {os.path.join(folder, 'lock')} is held: if no other process is building it, "
+                 "a killed build left it behind and it must be removed")
+    return line
 
 
 def checkpointing(cfg: LearnerConfig, on_gpu: bool) -> bool:
@@ -106,7 +175,7 @@ def policy_engine(model_path: str, cfg: LearnerConfig, config: dict, dtype, chec
     import deepspeed
 
     model = pretrained_base(model_path, dtype, checkpointed)
-    optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(model.parameters(), cfg, config)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_bounds(model, config))
     return engine, optimizer
 
@@ -128,7 +197,12 @@ def critic_engine(model_path: str, cfg: LearnerConfig, algo: AlgoConfig, config:
 
     critic = prepare_for_training(
         AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype), checkpointed)
-    optimizer = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, weight_decay=cfg.weight_decay)
+    if offloads_optimizer(config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(critic.parameters(), lr=algo.critic_lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, weight_decay=cfg.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=critic, optimizer=optimizer, config=zero3_bounds(critic, config))
     return engine
 
@@ -343,7 +417,7 @@ def lora_engine(base, cfg: LearnerConfig, config: dict):
 
     model = get_peft_model(base, lora_config(cfg.lora, getattr(base.config, "_name_or_path", None)))
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[cfg.optimizer](trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(trained, cfg, config)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=zero3_bounds(model, config))
     _saves_no_frozen_alias(engine)

@@ -16,6 +16,10 @@ The formula follows what DeepSpeed allocates, not only the ZeRO paper's table:
   `offload_optimizer` moves it, and the gradient partitions it steps on, to host memory;
 - reference: pi_ref, a second copy of the model (sharded like the parameters), none with LoRA
   (the base with its adapters off) or with beta = 0.
+A micro-batch adds its activations (`activation_bytes_per_token`) and the log-prob stage's
+(learner/logprobs.py): one copy of its logits in the model's dtype, which the backward overwrites
+with their gradient, a few float32 chunks of `LOGPROB_CHUNK_ELEMENTS`, and the output head's
+weight gradient before ZeRO takes it into its buckets (`logprob_bytes`).
 Not counted: DeepSpeed's communication buckets, ZeRO-3's gathered working set (a couple of
 transformer blocks), the allocator's slack and the process itself (the report of
 bench/memory_scale.py measures them).
@@ -32,6 +36,13 @@ from typing import Dict, Optional, Sequence, Tuple
 
 GB = 1e9
 MB = 2**20
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 24
+"""Rows of the logits that learner/logprobs.py turns into float32 at once: about this many values
+(64 MB), whatever the vocabulary."""
+LOGPROB_CHUNK_COPIES = 3
+"""Float32 chunks alive at once in learner/logprobs.py: the chunk, its exponent and the
+product the entropy sums (or, in the backward, the chunk and its gradient)."""
 
 # Shapes of well-known models (their config.json), for the plan without the weights at hand.
 KNOWN_SHAPES = {
@@ -102,6 +113,31 @@ class ModelShape:
         block = 6 * h + 2 * kv + 4 * i
         kept = self.num_layers * h + block if checkpointed else self.num_layers * block
         return kept * dtype_bytes
+
+    def logits_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """One copy of a micro-batch's logits in the model's dtype: all that learner/logprobs.py
+        keeps of size tokens x vocabulary (its backward writes the gradient over them)."""
+        return tokens * self.vocab_size * dtype_bytes
+
+    def logprob_working_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """The log-prob stage's memory besides the logits: float32 chunks of at most
+        LOGPROB_CHUNK_ELEMENTS values (fewer when the whole micro-batch is smaller), and the
+        output head's weight gradient (vocabulary x hidden in the model's dtype) that autograd
+        makes before ZeRO's hook takes it."""
+        chunk = min(LOGPROB_CHUNK_ELEMENTS, max(tokens, 1) * self.vocab_size)
+        return LOGPROB_CHUNK_COPIES * chunk * 4 + self.vocab_size * self.hidden_size * dtype_bytes
+
+    def micro_batch_bytes(self, tokens: int, dtype_bytes: int, checkpointed: bool) -> int:
+        """What a micro-batch of `tokens` adds to a rank at its peak (the backward's start): its
+        activations, its logits and the log-prob stage's working memory."""
+        return (tokens * self.activation_bytes_per_token(dtype_bytes, checkpointed)
+                + self.logits_bytes(tokens, dtype_bytes) + self.logprob_working_bytes(tokens, dtype_bytes))
+
+    def largest_micro_batch(self, room: float, dtype_bytes: int, checkpointed: bool) -> int:
+        """The most tokens a micro-batch may hold in `room` bytes (0 when none fits)."""
+        per_token = self.activation_bytes_per_token(dtype_bytes, checkpointed) + self.vocab_size * dtype_bytes
+        fixed = LOGPROB_CHUNK_COPIES * LOGPROB_CHUNK_ELEMENTS * 4 + self.vocab_size * self.hidden_size * dtype_bytes
+        return max(0, int((room - fixed) // per_token))
 
 
 @dataclass(frozen=True)
@@ -180,8 +216,23 @@ def describe(shape: ModelShape, layout: Layout, tokens: int = 0) -> str:
         line += f" on the device, {b.offloaded / MB:,.0f} MB offloaded to host memory"
     if tokens:
         act = tokens * shape.activation_bytes_per_token(layout.dtype_bytes, layout.checkpointed)
-        line += f", plus about {act / MB:,.0f} MB of activations per {tokens:,}-token micro-batch"
+        logits = shape.logits_bytes(tokens, layout.dtype_bytes) + shape.logprob_working_bytes(tokens, layout.dtype_bytes)
+        line += (f", plus about {act / MB:,.0f} MB of activations and {logits / MB:,.0f} MB of logits and log-prob"
+                 f" working memory per {tokens:,}-token micro-batch")
     return line
+
+
+def logits_past_memory(vocab_size: int, tokens: int, dtype_bytes: int, device_bytes: int) -> Optional[str]:
+    """The one-line error for a micro-batch budget whose logits alone (one copy, all that
+    learner/logprobs.py keeps) exceed the rank's device memory; None when they fit. On GPUs the
+    device is known only once the rank has started."""
+    need = tokens * vocab_size * dtype_bytes
+    if not tokens or need <= device_bytes:
+        return None
+    return (f"learner.max_tokens_per_microbatch={tokens:,}: that micro-batch's logits alone ({tokens:,} tokens x "
+            f"{vocab_size:,} vocabulary x {dtype_bytes} bytes = {need / GB:.1f} GB) exceed the learner GPU's "
+            f"{device_bytes / GB:.1f} GB; at most {device_bytes // (vocab_size * dtype_bytes):,} tokens could fit "
+            "(python -m learner.memory_plan sizes it with the model's state)")
 
 
 def start_line(model_path: str, learner_cfg, beta: float, on_gpu: bool) -> Optional[str]:
@@ -205,15 +256,18 @@ LAYOUTS = {
 
 
 def plan_rows(shape: ModelShape, gpus: int, gpu_gb: float, tokens: int, dtype_bytes: int = 2):
-    """For each layout: (name, RankBytes, activation bytes of a `tokens` micro-batch, GB left
-    on each GPU after both, the largest micro-batch in tokens that fits)."""
+    """For each layout: (name, RankBytes, activation bytes of a `tokens` micro-batch, its logits
+    and log-prob working bytes, GB left on each GPU after all of them, the largest micro-batch in
+    tokens that fits)."""
     rows = []
     for name, layout in LAYOUTS.items():
         layout = replace(layout, ranks=gpus, dtype_bytes=dtype_bytes)
         b = per_rank(shape, layout)
-        per_token = shape.activation_bytes_per_token(dtype_bytes, layout.checkpointed)
+        act = tokens * shape.activation_bytes_per_token(dtype_bytes, layout.checkpointed)
+        logits = shape.logits_bytes(tokens, dtype_bytes) + shape.logprob_working_bytes(tokens, dtype_bytes)
         room = gpu_gb * GB - b.total
-        rows.append((name, b, tokens * per_token, (room - tokens * per_token) / GB, max(0, int(room // per_token))))
+        rows.append((name, b, act, logits, (room - act - logits) / GB,
+                     shape.largest_micro_batch(room, dtype_bytes, layout.checkpointed)))
     return rows
 
 
@@ -221,13 +275,14 @@ def plan_table(model: str, gpus: int, gpu_gb: float, tokens: int) -> str:
     shape = ModelShape.from_config(KNOWN_SHAPES[model]) if model in KNOWN_SHAPES else ModelShape.from_folder(model)
     head = (f"{model}: {shape.parameters() / 1e9:.2f} B parameters, bf16, AdamW, {gpus} x {gpu_gb:g} GB, "
             f"micro-batch {tokens:,} tokens (GB per GPU)\n\n"
-            "| layout | parameters | gradients | optimizer | reference | model state | activations | left "
-            "| fits | largest micro-batch (tokens) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            "| layout | parameters | gradients | optimizer | reference | model state | activations | logits "
+            "| left | fits | largest micro-batch (tokens) |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     lines = [head]
-    for name, b, act, left, largest in plan_rows(shape, gpus, gpu_gb, tokens):
+    for name, b, act, logits, left, largest in plan_rows(shape, gpus, gpu_gb, tokens):
         off = f" (+{b.offloaded / GB:.1f} on host)" if b.offloaded else ""
         lines.append(f"| {name} | {b.parameters / GB:.1f} | {b.gradients / GB:.1f} | {b.optimizer / GB:.1f}{off} "
-                     f"| {b.reference / GB:.1f} | {b.total / GB:.1f} | {act / GB:.1f} | {left:.1f} "
+                     f"| {b.reference / GB:.1f} | {b.total / GB:.1f} | {act / GB:.1f} | {logits / GB:.1f} | {left:.1f} "
                      f"| {'yes' if left >= 0 else 'no'} | {largest:,} |")
     return "\n".join(lines)
 

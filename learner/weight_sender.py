@@ -6,7 +6,6 @@ buffers or a shared-memory file. The handshake and versioning are cluster/loop/s
 from __future__ import annotations
 
 import os
-import time
 from typing import Dict, List, Optional
 
 import torch
@@ -67,36 +66,37 @@ class WeightSender:
         # The merged push: each adapted weight is sent as W + scale B A, computed per bucket.
         pairs = self.policy.merged_pairs(part)
         clock = weight_sync.PushClock(self.sync_group if self.rank == 0 else None)
-        gathered_max, pack_s = 0, 0.0
+        gathered_max = 0
+        packing = weight_sync.SpanTimer(self.sync_group.device if self.rank == 0 else "cpu")
         # Shared memory: the buckets are written into the file and only their numbers travel.
         views = weight_sync.shm_buckets(spec) if spec.shm_path and self.rank == 0 else None
         in_flight = None  # (tensor, work) of the broadcast on the wire while the next is packed
-        for i, bucket in enumerate(spec.buckets()):
+        buckets = spec.buckets()
+        for i, bucket in enumerate(buckets):
             tensors = [named[t.name] for t in bucket]
             extra = [p for t in bucket if t.name in pairs for p in pairs[t.name][:2]]
             with engines.gathered(tensors + extra, self.policy.cfg.zero_stage):
                 gathered_max = max(gathered_max, self.policy.gathered_bytes())
                 if self.rank == 0:
-                    packed = time.perf_counter()
-                    tensors = [engines.merged(w, pairs[t.name]) if t.name in pairs else w
-                               for t, w in zip(bucket, tensors)]
                     flat = views[i] if views is not None else self._staging(spec, bucket, i % 2)
-                    weight_sync.pack_into(tensors, flat)
-                    pack_s += time.perf_counter() - packed
+                    with packing.span():
+                        tensors = [engines.merged(w, pairs[t.name]) if t.name in pairs else w
+                                   for t, w in zip(bucket, tensors)]
+                        weight_sync.pack_into(tensors, flat)
             if self.rank == 0:
                 if in_flight is not None:
-                    in_flight[1].wait()
+                    weight_sync.finish(self.sync_group, in_flight[1], f"bucket {i} of {len(buckets)}")
                 if views is not None:
                     flat = torch.tensor([i], dtype=torch.int64)  # "bucket i is written"
                 in_flight = (flat, weight_sync.start_broadcast(self.sync_group, flat))
         if in_flight is not None:
-            in_flight[1].wait()
+            weight_sync.finish(self.sync_group, in_flight[1], "the last bucket")
         if self.rank == 0:
             weight_sync.settle(self.sync_group)
         seconds = clock.seconds()
         return {"sync_bytes": spec.total_bytes, "sync_seconds": seconds,
                 "sync_gbps": spec.total_bytes / max(seconds, 1e-9) / 1e9,
-                "sync_pack_seconds": pack_s, "sync_gathered_max_mb": gathered_max / 2**20}
+                "sync_pack_seconds": packing.seconds(), "sync_gathered_max_mb": gathered_max / 2**20}
 
     def _staging(self, spec: weight_sync.WeightSpec, bucket, slot: int) -> "torch.Tensor":
         """One of two send buffers, kept from push to push: on CPUs a fresh 64 MB buffer per bucket

@@ -78,9 +78,15 @@ class WeightReceiver:
         return {"load_s": time.perf_counter() - start}
 
     def reseed(self, seed: int) -> None:
-        """Seed this worker process's default generators (CPU and every GPU), which vLLM's
-        sampler draws from for requests without a seed of their own (rollout.seeded_sampling=false)."""
+        """Seed this worker process's default generators, which vLLM's sampler draws from for
+        requests without a seed of their own (rollout.seeded_sampling=false): torch's (CPU and
+        every GPU) for the V1 model runner; numpy's global one for Model Runner V2 (vLLM's
+        default on GPUs), which draws each unseeded request's seed from it as the request is
+        added (its sampling states) and samples from that seed alone."""
+        import numpy
+
         torch.manual_seed(seed)
+        numpy.random.seed(seed % 2**32)
 
     def weights_checksum(self) -> dict:
         """Sum of each parameter by name, for tests that compare engines."""

@@ -30,7 +30,8 @@ __all__ = ["ConfigError", "compose_config", "load_config", "schema_keys"]
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SCHEMA_NAME = "grpo_schema"
 # Schema fields that are free-form mappings: any sub-key is valid there.
-MAPPING_KEYS = ("reward.weights.", "reward.custom.", "learner.deepspeed.", "rollout.custom_tools.")
+MAPPING_KEYS = ("reward.weights.", "reward.custom.", "learner.deepspeed.", "rollout.custom_tools.", "data.tasks.",
+                "data.task_config.")
 
 
 def schema_keys(node=Config, prefix: str = "") -> List[str]:
@@ -112,9 +113,28 @@ def _explain(exc: Exception) -> str:
     return f"{full_key}: {text}" if full_key and full_key not in text else text
 
 
+def _logger_backends(overrides: Sequence[str]) -> List[str]:
+    """`logger=[wandb,tensorboard]`: Hydra merges the groups' files, and a list in the later file
+    replaces the earlier one's, so the backends of every group picked are joined here (an
+    explicit logger.backends=... wins)."""
+    picked: List[str] = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.key_or_group == "logger.backends":
+            return []
+        if override.key_or_group == "logger" and isinstance(override.value(), list):
+            picked = [str(option) for option in override.value()]
+    backends: List[str] = []
+    for option in picked:
+        group_file = CONF_DIR / "logger" / f"{option}.yaml"
+        if group_file.is_file():  # an unknown option: Hydra says which ones exist
+            backends += [b for b in OmegaConf.load(group_file).get("backends", []) if b not in backends]
+    return [f"logger.backends=[{','.join(backends)}]"] if picked else []
+
+
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """Schema + conf/config.yaml defaults + overrides, as a typed (struct) DictConfig."""
     _check_keys(overrides)
+    overrides = list(overrides) + _logger_backends(overrides)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     GlobalHydra.instance().clear()
     try:
@@ -168,6 +188,7 @@ def validate(cfg: Config) -> None:
     _check_model(cfg)
     _check_verifiers(cfg)
     _check_tools(cfg)
+    _check_loggers(cfg)
 
 
 def _check_model(cfg: Config) -> None:
@@ -198,6 +219,22 @@ def _check_tools(cfg: Config) -> None:
         problem = sandbox_problem()
         if problem:
             raise ConfigError(f"rollout.tools: the python tool: {problem}")
+
+
+# The module each dashboard imports, and the package that brings it.
+LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard"),
+                   "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def _check_loggers(cfg: Config) -> None:
+    """A dashboard whose package is missing would fail only once the run has started."""
+    from importlib.util import find_spec
+
+    for backend in cfg.logger.backends:
+        module, package = LOGGER_PACKAGES[backend]
+        if find_spec(module) is None:
+            raise ConfigError(f"logger.backends: {backend} is not installed here (pip install {package}, or the "
+                              "project's `loggers` extra)")
 
 
 def _check_verifiers(cfg: Config) -> None:

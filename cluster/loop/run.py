@@ -32,6 +32,7 @@ from common.messages import ResolvedInputs
 from common.ray_utils import init_ray
 from data.datasets import PromptSampler
 from learner import memory_plan
+from learner.engines import host_optimizer_line
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Run:
     """The batch source (cluster/loop/batches.py); in async mode it owns a thread."""
     buffer: RolloutBuffer = field(default_factory=RolloutBuffer)
     logger: Optional[MetricsLogger] = None
-    """The MetricsLogger (metrics.jsonl, wandb, the progress bar)."""
+    """The MetricsLogger (metrics.jsonl, the dashboards of logger.backends, the progress bar)."""
     version: int = 0
     """The policy version the generation workers hold."""
     sampler: Optional[PromptSampler] = None
@@ -83,6 +84,9 @@ class Run:
         if memory:
             self.say(memory)
         self.cfg = cfg = run_config(cfg, self.inputs, run_name(cfg), threads)
+        offload = host_optimizer_line(cfg.learner, on_gpu=cfg.learner.num_gpus_per_rank > 0)
+        if offload:  # before the ranks start: compiling its op holds up their start for minutes
+            self.say(offload)
         self.run_dir = make_run_dir(cfg)
         show_prompt(self.run_dir, self.inputs.prompts, self.started)
         self.roles = start_roles(cfg)

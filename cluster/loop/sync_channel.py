@@ -20,6 +20,7 @@ from common.messages import RestartEvent
 from common.ray_utils import death_cause, first_death
 
 DEATH_WAIT_S = 10.0
+JOIN_SLACK_S = 10.0
 
 
 class WeightSyncError(RunFailed):
@@ -62,7 +63,15 @@ class WeightSyncChannel:
         joins = [self.learner.join_weight_sync(host, port, world, self.timeout_s, self.backend)]
         joins += [w.init_weight_sync.remote(host, port, 1 + i * per_worker, world, self.timeout_s, self.backend)
                   for i, w in enumerate(members)]
-        self._wait(joins, "joining the weight-sync group")
+        try:
+            # Each member's join probe gives up after sync.timeout_s with its own one-line reason:
+            # the driver waits a little longer, to report that reason rather than its own timeout.
+            self._wait(joins, "joining the weight-sync group", slack_s=JOIN_SLACK_S)
+        except WeightSyncError as error:
+            raise WeightSyncError(f"{self._members(host, port, world)}: {error}") from error.__cause__
+        except ray.exceptions.RayTaskError as error:
+            cause = str(getattr(error, "cause", None) or error).strip().splitlines()[0][:400]
+            raise WeightSyncError(f"{self._members(host, port, world)}: {cause}") from error
         # A new group gets a new shared file (a restarted worker maps it afresh); its name is
         # unlinked after the first push, once every receiver has mapped it.
         path = self._shm_path(host)
@@ -71,6 +80,16 @@ class WeightSyncChannel:
             self._base_due = True  # a restarted engine holds the initial weights, not the base
         self.spec["shm_path"] = path
         self._unlink_after_push = path or (self.base_spec or {}).get("shm_path")
+
+    def _members(self, host: str, port: int, world: int) -> str:
+        """The sync group's members, for a join that failed: learner rank 0 (the root, hosting the
+        rendezvous) and the generation workers' nodes."""
+        try:
+            ips = ray.get([w.node_ip.remote() for w in self.rollout.sync_members()], timeout=DEATH_WAIT_S)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            ips = ["(a worker did not answer)"]
+        return (f"weight-sync group ({self.backend}, {world} members: learner rank 0 on {host}:{port}, "
+                f"generation workers on {', '.join(sorted(set(ips)))})")
 
     def _shm_path(self, learner_ip: str):
         """The shared-memory file of sync.transport=shm/auto, or None to broadcast the bytes."""
@@ -103,9 +122,9 @@ class WeightSyncChannel:
             self._join()
             return self.push(self.version)
 
-    def _wait(self, refs, what: str):
+    def _wait(self, refs, what: str, slack_s: float = 0.0):
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            return ray.get(refs, timeout=self.timeout_s + slack_s)
         except ray.exceptions.GetTimeoutError:
             raise WeightSyncError(f"{what} took longer than sync.timeout_s={self.timeout_s:g}s") from None
         except ray.exceptions.RayActorError as error:

@@ -32,6 +32,9 @@ def test_bad_command_line_exits_2_with_one_line():
     ("algo.group_size=1", ["algo.group_size"]),
     ("trainer.prompts_per_step=63", ["trainer.prompts_per_step", "learner.num_ranks"]),
     ("model.path=/no/such/model", ["model.path"]),
+    ("algo.icepop_low=1.5", ["algo.icepop_low", "algo.icepop_high"]),
+    ("logger=comet", ["logger/comet", "tensorboard"]),
+    ("logger.mlflow_tracking_uri=mlflow.example:5000", ["logger.mlflow_tracking_uri", "scheme"]),
 ])
 def test_bad_config_exits_2_with_one_line(override, names, tmp_path):
     result = run(GRPO, "train", override, f"trainer.output_dir={tmp_path}")

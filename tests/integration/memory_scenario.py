@@ -65,5 +65,44 @@ def _groups(rows: int):
                         rewards=[float(j) for j in range(G)]) for i in range(rows // G)]
 
 
+def logprobs(cache: str, rows: int) -> None:
+    """learner/logprobs.py's call as the learner makes it (with entropy, then the backward of a
+    weighted sum) on `rows` x 512 tokens of a 64-wide model at the real vocabulary: the rise of
+    the process's peak, with learner/memory_plan.py's terms for the same micro-batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.config import ModelConfig
+    from data.tiny_model import build_tiny_model
+    from learner.logprobs import token_logprobs
+    from learner.memory_plan import ModelShape
+
+    torch.set_num_threads(1)
+    path = build_tiny_model(ModelConfig(cache_dir=cache, hidden_size=64, num_layers=1, num_heads=2,
+                                        intermediate_size=128, max_position_embeddings=512, vocab_size=VOCAB))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(0)
+    ids = torch.randint(2, VOCAB, (rows, 512))
+    targets = torch.ones((rows, 511), dtype=torch.bool)
+    weights = torch.randn(rows, 511)
+    rises = []
+    for _ in range(2):  # the first call's one-time allocations are not measured
+        _reset_peak()
+        before = _status_bytes("VmRSS")
+        chosen, _ = token_logprobs(model, ids, torch.ones_like(ids), 1.0, with_entropy=True, targets=targets)
+        (chosen * weights).sum().backward()
+        rises.append(_status_bytes("VmHWM") - before)
+        model.zero_grad(set_to_none=True)
+        del chosen
+    shape = ModelShape.from_folder(path)
+    tokens = rows * 512
+    plan = (tokens * shape.activation_bytes_per_token(4, False) + shape.logits_bytes(tokens, 4)
+            + shape.logprob_working_bytes(tokens, 4) + shape.parameters() * 4)  # and the model's own gradients
+    print(json.dumps({"rise_bytes": rises[-1], "logits_bytes": rows * 511 * VOCAB * 4, "plan_bytes": plan}), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), [int(a) for a in sys.argv[3:]])
+    if sys.argv[2] == "logprobs":
+        logprobs(sys.argv[1], int(sys.argv[3]))
+    else:
+        main(sys.argv[1], int(sys.argv[2]), [int(a) for a in sys.argv[3:]])

@@ -25,7 +25,7 @@ import ray
 import torch
 
 from common import state_files
-from learner import grpo
+from learner import corrections, grpo
 from learner_pool import probe, checkpointed_blocks, reference_numel, reference_state, state_copy
 from helpers import varied_groups
 
@@ -311,6 +311,39 @@ def test_importance_weights_of_the_first_minibatch_come_from_its_own_forward(lea
             assert metrics[key] == pytest.approx(value, rel=1e-5), key
 
 
+@pytest.mark.parametrize("correction, bounds", [("mis", {}), ("icepop", {}),
+                                               ("seq_mask", {"seq_mask_low": 0.9, "seq_mask_high": 1.1})])
+def test_each_correction_weights_the_real_step_by_its_formula(learners, system_cfg, batch, correction, bounds):
+    """MIS, IcePop and the sequence mask (learner/corrections.py) in a real step, micro-batched
+    over 2 ranks: the plain gradient with their weights, and the masked share they log."""
+    groups, sampler = _sampled_by_another(system_cfg, batch)
+    plain = _plain(system_cfg, batch)
+    rows = range(len(plain.ids))
+    with torch.no_grad():
+        own = plain.logprobs(rows)
+    algo = replace(system_cfg.algo, correction=correction, **bounds)
+    weights = corrections.weights(algo, own, sampler, plain.mask)
+    masked = float((weights[plain.mask] == 0).float().mean())
+    assert 0 < masked < 1, masked
+    gradient = plain.gradient([(1.0, plain.loss(rows, is_weights=weights))])
+    update, metrics, _ = _one_step(learners, system_cfg, groups, 2, 2, 30, correction=correction, **bounds)
+    assert_same_gradient(update, gradient)
+    assert metrics[f"masked_fraction_{correction}"] == pytest.approx(masked, abs=1e-6)
+    assert metrics["mismatch_k3"] > 0 and metrics["mismatch_chi2"] > 0
+
+
+@pytest.mark.parametrize("num_ranks, zero_stage, micro_tokens", [(1, 2, 0), (2, 3, 60)])
+def test_packed_sequences_give_the_padded_gradient(learners, system_cfg, batch, num_ranks, zero_stage, micro_tokens):
+    """learner.pack_sequences: each micro-batch's rows packed into bins (position ids
+    restarting per sample, no attention mask): the gradient of the padded plain step."""
+    plain = _plain(system_cfg, batch)
+    gradient = plain.gradient([(1.0, plain.loss(range(len(plain.ids))))])
+    update, metrics, _ = _one_step(learners, system_cfg, batch, num_ranks, zero_stage, micro_tokens,
+                                   learner_settings={"pack_sequences": True})
+    assert_same_gradient(update, gradient)
+    assert 0 <= metrics["padded_fraction"] < 1
+
+
 def test_later_minibatches_and_passes_use_pi_old_from_before_the_first_step(learners, system_cfg, batch):
     """Two minibatches, two passes: the first minibatch's pi_old, taken from its own forward,
     is what the second pass uses too, as pi_old computed before any step would be."""
@@ -414,3 +447,73 @@ def _initial_weights(path: str) -> dict:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+OFFLOAD = {"deepspeed": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}
+CPU_ADAM_BUILD_S = 600  # a first JIT build of DeepSpeed's CPU Adam on 2 busy cores; then it loads in seconds
+
+
+def _build_cpu_adam() -> None:
+    """DeepSpeed's CPU Adam op built (or loaded) in a process of its own, bounded: its JIT build
+    waits on a lock file, and one left by a killed build would hang the learner's start for good."""
+    import subprocess
+    import sys
+
+    script = ("import os; os.environ['DS_ACCELERATOR'] = 'cpu'\n"
+              "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()")
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=CPU_ADAM_BUILD_S)
+    except subprocess.TimeoutExpired:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        pytest.fail(f"DeepSpeed's CPU Adam op did not build within {CPU_ADAM_BUILD_S}s; a stale lock file in "
+                    f"{_get_build_directory('cpu_adam', verbose=False)} would explain it")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _second_adam_step_tolerance(gradient: dict) -> dict:
+    """Per-element bound on how far AdamW's second step (per unit of lr) may differ between two
+    runs whose gradients differ by at most dg = GRAD_RTOL * max|g|. With bias correction the
+    step is m/(sqrt(v) + eps), m = (0.09 g1 + 0.1 g2) / 0.19 and v = (0.000999 g1^2 + 0.001 g2^2)
+    / 0.001999, so sqrt(v) >= 0.7 |g1|; a change dg of g2 moves m by 0.53 dg and sqrt(v) by at
+    most 0.71 dg, hence the step by at most about 2.3 dg / |g1| (4 dg / |g1| allowed), where g1
+    is sure of its sign (|g1| >= 10 dg, as in `_adam_tolerance`); elsewhere only |step| <= 1
+    holds, so two runs differ by at most 2. Unlike the first step's, this bound is not squeezed
+    by eps: the second step weighs g2 against g1."""
+    dg = GRAD_RTOL * max(float(g.abs().max()) for g in gradient.values())
+    out = {}
+    for k, g in gradient.items():
+        a = g.abs().double()
+        out[k] = torch.where(a >= 10 * dg, (4 * dg / a.clamp(min=1e-30)).clamp(max=2.0), torch.full_like(a, 2.0))
+    return out
+
+
+def _two_steps(learners, cfg, groups, learner_settings=None):
+    """Two AdamW steps of one ZeRO-2 rank on the same batch (one minibatch each); returns the
+    update per unit of lr, each step's metrics and the weights before."""
+    learner_cfg = replace(cfg.learner, num_ranks=1, zero_stage=2, minibatches=1, num_cpus_per_rank=0.1,
+                          max_tokens_per_microbatch=0, optimizer="adamw", **(learner_settings or {}))
+    with learners.learner(cfg.model.path, learner_cfg, cfg.algo, cfg.rollout.max_new_tokens, cfg.trainer.seed) as learner:
+        learner.snapshot_reference()
+        before = probe(learner, state_copy)[0]
+        metrics = [learner.train_step([ray.put(g) for g in groups], 1.0, ADAM_LR) for _ in range(2)]
+        after = probe(learner, state_copy)[0]
+    return {k: (before[k] - after[k]) / ADAM_LR for k in before}, metrics, before
+
+
+def test_zero_offload_trains_two_steps_like_zero2(learners, system_cfg, batch, reference):
+    """ZeRO-Offload (the optimizer on the host: DeepSpeed's CPU Adam) against ZeRO-2 with torch's
+    AdamW, two steps on the same batch. The runs compute their gradients the same way; the
+    optimizers differ only in their fp32 arithmetic. The first steps see `reference`'s gradient
+    and agree within `_adam_tolerance`; the second steps within `_second_adam_step_tolerance`."""
+    _build_cpu_adam()
+    gradient, _, _ = reference
+    plain, plain_metrics, weights = _two_steps(learners, system_cfg, batch)
+    offload, metrics, _ = _two_steps(learners, system_cfg, batch, OFFLOAD)
+    first, second = _adam_tolerance(gradient, weights), _second_adam_step_tolerance(gradient)
+    for k in plain:
+        diff = (plain[k] - offload[k]).abs().double()
+        bound = first[k] + second[k]
+        assert (diff <= bound).all(), f"{k}: two steps differ by {float((diff - bound).max()):.2e} over the bound"
+    assert any(float(u.abs().max()) > 0.5 for u in offload.values()), "the offloaded steps moved the weights"
+    assert metrics[0]["loss"] == plain_metrics[0]["loss"]  # the same weights, batch and computation

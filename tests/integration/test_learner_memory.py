@@ -37,6 +37,21 @@ def test_a_learner_step_at_a_real_vocabulary_stays_within_the_token_budget(tmp_p
     assert large["rise_bytes"] <= small["rise_bytes"] + budget * vocab * 4 / 2, out
 
 
+def test_log_probs_at_a_real_vocabulary_hold_one_copy_of_the_logits(tmp_path):
+    """learner/logprobs.py's forward and backward on 2 x 512 tokens at 151,936 entries (one
+    float32 copy of the logits: 622 MB, well above the process's noise): the logits exist once
+    (the backward writes their gradient over them), the rest is float32 chunks and the head's
+    weight gradient. The peak rise must stay at most 2.2 logits-sized copies (3.1 before the
+    one-pass computation: the strided slice's copy, entropy's copy, a separate gradient) and
+    within learner/memory_plan.py's terms for the micro-batch plus 15%."""
+    proc = subprocess.run([sys.executable, SCENARIO, str(tmp_path), "logprobs", "2"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["rise_bytes"] <= 2.2 * out["logits_bytes"], out
+    assert out["rise_bytes"] <= 1.15 * out["plan_bytes"], out
+
+
 @pytest.mark.parametrize("zero_stage, returned", [(3, True), (2, False)])
 def test_zero3_ranks_on_cpus_start_with_freed_memory_returned(ray_session, zero_stage, returned):
     """Ray starts each rank's process with learner/peak_memory.py's glibc settings under ZeRO-3,

@@ -6,14 +6,62 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from dataclasses import replace
 
 import pytest
 import ray
+import torch
 
 from cluster.loop.sync_channel import WeightSyncChannel, WeightSyncError
+from common import weight_sync
+from common.ray_utils import free_port
 from helpers import engine_state, seeded, warmed_learner
 from rollout.pool import RolloutPool
+
+
+def _gloo_pair(timeout_s: float):
+    """A sync group of two members in this process (gloo, one thread each to join)."""
+    port, groups = free_port(), {}
+
+    def join(rank):
+        groups[rank] = weight_sync.join_group("127.0.0.1", port, rank, 2, timeout_s, "gloo")
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return groups[0], groups[1]
+
+
+def test_a_receiver_raises_on_a_bucket_that_never_comes_and_loads_only_whole_ones():
+    sender, receiver = _gloo_pair(timeout_s=2.0)
+    spec = weight_sync.WeightSpec(tensors=(weight_sync.TensorSpec("a", (1000,)), weight_sync.TensorSpec("b", (1000,))),
+                                  dtype="float32", bucket_bytes=4000)
+    assert len(spec.buckets()) == 2
+    loaded, errors = [], []
+
+    def receive():
+        try:
+            for bucket, flat in weight_sync.received_buckets(receiver, spec, {}):
+                loaded.append((bucket[0].name, flat.clone()))
+        except weight_sync.SyncWaitError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    weight_sync.broadcast(sender, torch.full((1000,), 7.0))  # the first bucket only: the sender then stops
+    thread.join(30)
+    assert [name for name, _ in loaded] == ["a"] and torch.equal(loaded[0][1], torch.full((1000,), 7.0))
+    assert len(errors) == 1 and "bucket 2 of 2 did not complete within sync.timeout_s=2s" in str(errors[0])
+
+
+def test_a_sender_whose_receiver_takes_nothing_raises_within_the_timeout():
+    sender, _receiver = _gloo_pair(timeout_s=1.0)
+    # 32 MB: far more than the sockets' buffers hold, so the send needs the receiver.
+    with pytest.raises(weight_sync.SyncWaitError, match="a broadcast did not complete within sync.timeout_s=1s"):
+        weight_sync.broadcast(sender, torch.ones(8_000_000))
 
 
 def _cfg(system_cfg, tied: bool):

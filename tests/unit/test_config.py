@@ -24,7 +24,7 @@ def test_defaults_compose_and_validate():
     assert isinstance(cfg, Config)
     assert cfg.model.name == "tiny"
     assert cfg.data.source == "arithmetic"
-    assert cfg.logger.backend == "wandb"
+    assert cfg.logger.backends == ["wandb"]
     assert cfg.trainer.max_steps == Config().trainer.max_steps
     assert cfg.reward.weights == {"math": 1.0, "format": 0.1}
     validate(cfg)
@@ -46,7 +46,34 @@ def test_dotted_override():
 
 def test_group_override_logger():
     cfg = load_config(["logger=none"])
-    assert cfg.logger.backend == "none"
+    assert cfg.logger.backends == []
+    assert load_config(["logger=tensorboard"]).logger.backends == ["tensorboard"]
+    assert load_config(["logger=mlflow"]).logger.backends == ["mlflow"]
+
+
+def test_several_loggers_compose():
+    """`logger=[a,b]` joins the groups' backends (Hydra alone would keep the last list)."""
+    cfg = load_config(["logger=[wandb,tensorboard,mlflow]", "logger.mode=online"])
+    assert cfg.logger.backends == ["wandb", "tensorboard", "mlflow"] and cfg.logger.mode == "online"
+    assert load_config(["logger=[none,tensorboard]"]).logger.backends == ["tensorboard"]
+    assert load_config(["logger=[wandb,mlflow]", "logger.backends=[mlflow]"]).logger.backends == ["mlflow"]
+    assert load_config(["logger.backends=[tensorboard,wandb]"]).logger.backends == ["tensorboard", "wandb"]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["logger=comet"], "logger/comet"),
+    (["logger=[wandb,comet]"], "logger/comet"),
+    (["logger.backends=[wandb,comet]"], "logger.backends: unknown logger 'comet'"),
+    (["logger=mlflow", "logger.mlflow_tracking_uri=ftp://host/x"], "logger.mlflow_tracking_uri='ftp://host/x'"),
+    (["logger=mlflow", "logger.mlflow_tracking_uri=http://host:port"], "not a URI"),
+    (["logger=mlflow", "logger.mlflow_tracking_uri=mlruns"], "no scheme"),
+    (["logger=mlflow", "logger.mlflow_tracking_uri=http:///x"], "no host"),
+    (["logger.timeout_s=0"], "logger.timeout_s must be positive"),
+])
+def test_bad_logger_settings_are_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_group_override_data_jsonl(tmp_path):
@@ -137,9 +164,24 @@ def test_max_new_tokens_must_leave_room_for_prompt():
     ("rollout.min_new_tokens=33", "rollout.min_new_tokens"),
     ("learner.num_threads=-1", "learner.num_threads"),
     ("rollout.num_threads=-1", "rollout.num_threads"),
+    ("algo.correction=ppo", "algo.correction"),
+    ("data.digit_distribution=poisson", "data.digit_distribution"),
 ])
 def test_other_invalid_values_name_the_key(override, key):
     assert key in config_error(override)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["algo.correction=mis", "algo.mis_low=0.5", "algo.mis_high=0.4"], "inverted"),
+    (["algo.correction=icepop", "algo.icepop_low=6"], "inverted"),
+    (["algo.correction=icepop", "algo.icepop_low=1.1", "algo.icepop_high=3"], "exclude 1"),
+    (["algo.correction=seq_mask", "algo.seq_mask_high=0.999"], "exclude 1"),
+    (["algo.seq_mask_low=0.9", "algo.seq_mask_high=0.95"], "exclude 1"),
+    (["data=long_tail", "data.digit_decay=1.5"], "data.digit_decay"),
+])
+def test_correction_bounds_and_digit_decay_are_refused_in_one_line(overrides, words):
+    message = config_error(*overrides)
+    assert words in message and "\n" not in message
 
 
 def test_unparsable_override_is_one_line():
@@ -205,6 +247,16 @@ def test_any_deepspeed_setting_passes_through_merged_over_the_generated_one():
         "gradient_clipping": 0.5, "bf16": {"enabled": False},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert generated["zero_optimization"] == {"stage": 2}  # the generated config is not mutated
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["+learner.deepspeed.zero_optimization.offload_optimizer.device=gpu"], "must be cpu or nvme"),
+    (["+learner.deepspeed.zero_optimization.offload_optimizer.device=cpu", "learner.optimizer=sgd"], "CPU Adam"),
+    (["+learner.deepspeed.zero_optimization.offload_optimizer.device=cpu", "learner.zero_stage=0"], "stage 1, 2 or 3"),
+    (["+learner.deepspeed.zero_optimization.offload_optimizer.device=nvme"], "nvme_path"),
+])
+def test_an_offload_deepspeed_cannot_run_is_refused_in_one_line(overrides, expected):
+    assert expected in config_error(*overrides)
 
 
 def test_device_dependent_defaults_resolve_for_cpu_and_gpu():
@@ -334,7 +386,7 @@ def test_a_gpu_cluster_refuses_a_learner_left_on_cpus(monkeypatch):
 
 @pytest.mark.parametrize("overrides, seeded", [
     ([], True),  # CPU engines: seeds cost nothing and make a run repeatable
-    (["rollout.num_gpus_per_worker=1"], False),  # GPU engines: off vLLM's one-request-at-a-time path
+    (["rollout.num_gpus_per_worker=1"], True),  # GPU engines: Model Runner V2 hashes a seed per request
     (["rollout.num_gpus_per_worker=1", "rollout.seeded_sampling=true"], True),
     (["rollout.seeded_sampling=false"], False),
 ])
@@ -349,7 +401,7 @@ def test_seeded_sampling_takes_auto_true_or_false_only():
         load_config(["rollout.seeded_sampling=1"])
 
 
-def test_unseeded_requests_seed_the_engine_once_per_call():
+def test_unseeded_requests_seed_the_engine_once_per_call(monkeypatch):
     """seeded_sampling=false: no request carries a seed; the engine's sampler is seeded once per
     call, from the call's prompt seeds (the same call, the same engine seed). Greedy calls and
     seeded engines leave the seeds alone."""
@@ -358,6 +410,9 @@ def test_unseeded_requests_seed_the_engine_once_per_call():
     from common.config import RolloutConfig
     from rollout.worker import GenerationWorker, sampling_is_seeded
 
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert sampling_is_seeded("auto", on_gpu=False) and sampling_is_seeded("auto", on_gpu=True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1 on GPUs draws seeded requests one by one
     assert sampling_is_seeded("auto", on_gpu=False) and not sampling_is_seeded("auto", on_gpu=True)
     assert sampling_is_seeded(True, on_gpu=True) and not sampling_is_seeded(False, on_gpu=False)
     calls = []

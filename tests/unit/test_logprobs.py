@@ -89,3 +89,58 @@ def test_a_model_without_logits_to_keep_gets_every_position():
     got = lp.token_logprobs(Plain(), ids, torch.ones_like(ids), targets=targets)
     torch.testing.assert_close(got, lp.token_logprobs(inner, ids, torch.ones_like(ids)))
     assert not lp.keeps_logits(Plain()) and lp.keeps_logits(inner)
+
+
+def _reference(model, ids, attention, temperature):
+    """float64 log-softmax over the model's own logits: chosen log-probs and entropy, [N, T-1]."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].double() / temperature
+    log_p = torch.log_softmax(logits, dim=-1)
+    return log_p.gather(-1, ids[:, 1:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_one_pass_over_the_heads_logits_equals_a_float64_log_softmax(monkeypatch, temperature):
+    """The learner's call shape: logits straight from the head, overwritten by their gradient in
+    the backward. float32 logits of size ~1 over 50 entries: a log-prob's rounding is a few ulps
+    of |log p| (< 10), the entropy's a few ulps of each of 50 terms."""
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 50 * 4)  # chunks of 4 rows over 27
+    model = _tiny_lm()
+    ids = torch.randint(0, 50, (3, 10))
+    attention = torch.ones_like(ids)
+    weights = torch.randn(3, 9)
+    params = list(model.parameters())
+    want, want_entropy = _reference(model, ids, attention, temperature)
+    want_grads = torch.autograd.grad((want * weights).sum(), params)
+    got, got_entropy = lp.token_logprobs(model, ids, attention, temperature, with_entropy=True)
+    assert got.dtype == got_entropy.dtype == torch.float32 and not got_entropy.requires_grad
+    got_grads = torch.autograd.grad((got * weights).sum(), params)
+    torch.testing.assert_close(got.double(), want, rtol=8 * 2**-23, atol=1e-6)
+    torch.testing.assert_close(got_entropy.double(), want_entropy, rtol=0, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_only_a_heads_own_output_is_overwritten_by_its_gradient():
+    head = torch.nn.Linear(8, 50, bias=False)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    assert lp._overwritable(head(x).reshape(10, 50))  # a matrix product saves its input, not its output
+    assert not lp._overwritable(torch.randn(10, 50, requires_grad=True))  # a leaf: the caller's own tensor
+    assert not lp._overwritable(torch.tanh(head(x)).reshape(10, 50))  # tanh saves its output (soft-capping)
+
+
+def test_a_soft_capped_head_keeps_its_saved_output_and_gets_the_right_gradient():
+    inner = _tiny_lm()
+
+    class SoftCapped(torch.nn.Module):  # Gemma 2's final_logit_softcapping: tanh saves its output
+        def forward(self, input_ids, attention_mask, **kwargs):
+            out = inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            out.logits = 3.0 * torch.tanh(out.logits / 3.0)
+            return out
+
+    model = SoftCapped()
+    ids = torch.randint(0, 50, (2, 7))
+    attention = torch.ones_like(ids)
+    want, _ = _reference(model, ids, attention, 1.0)
+    (want_grad,) = torch.autograd.grad(want.sum(), [inner.lm_head.weight])
+    (got_grad,) = torch.autograd.grad(lp.token_logprobs(model, ids, attention).sum(), [inner.lm_head.weight])
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)

@@ -74,6 +74,45 @@ def test_activations_by_hand():
     assert TINY.activation_bytes_per_token(4, checkpointed=True) == 4 * (16 + 120)
 
 
+def test_logits_by_hand():
+    # One copy of 100 tokens' logits over 10 entries in bf16: 2,000 bytes. Working memory: three
+    # float32 chunks, here the whole 1,000 values (under LOGPROB_CHUNK_ELEMENTS), and the head's
+    # weight gradient, 10 x 8 in bf16.
+    assert TINY.logits_bytes(100, 2) == 2000
+    assert TINY.logprob_working_bytes(100, 2) == 3 * 1000 * 4 + 160
+    assert TINY.micro_batch_bytes(100, 2, False) == 100 * 2 * 240 + 2000 + 12000 + 160
+
+
+def test_logits_bound_a_real_vocabulary_micro_batch():
+    # Qwen2.5-7B, bf16, 16,384 tokens: 16,384 x 152,064 x 2 = 4.98 GB of logits, chunks capped at
+    # 3 x 64 MiB of float32, the head's gradient 152,064 x 3,584 x 2.
+    from learner.memory_plan import LOGPROB_CHUNK_ELEMENTS
+
+    shape = ModelShape.from_config(KNOWN_SHAPES["qwen2.5-7b"])
+    assert shape.logits_bytes(16384, 2) == 16384 * 152064 * 2
+    assert shape.logprob_working_bytes(16384, 2) == 3 * LOGPROB_CHUNK_ELEMENTS * 4 + 152064 * 3584 * 2
+    room = 50e9
+    largest = shape.largest_micro_batch(room, 2, checkpointed=True)
+    assert shape.micro_batch_bytes(largest, 2, True) <= room < shape.micro_batch_bytes(largest + 1, 2, True)
+
+
+def test_a_micro_batch_whose_logits_alone_pass_the_gpu_is_named_in_one_line():
+    from learner.memory_plan import logits_past_memory
+
+    # 131,072 tokens x 152,064 x 2 bytes = 39.9 GB against a 24 GB GPU: at most 78,914 tokens.
+    error = logits_past_memory(152064, 131072, 2, 24 * 10**9)
+    assert "\n" not in error and "39.9 GB" in error and "at most 78,914 tokens" in error
+    assert logits_past_memory(152064, 16384, 2, 80 * 10**9) is None
+    assert logits_past_memory(152064, 0, 2, 1) is None  # 0: the whole minibatch, sized elsewhere
+
+
+def test_logprobs_chunks_are_the_plans():
+    import learner.logprobs as lp
+    from learner.memory_plan import LOGPROB_CHUNK_ELEMENTS
+
+    assert lp.CHUNK_ELEMENTS == LOGPROB_CHUNK_ELEMENTS
+
+
 def test_layout_of_a_config():
     cfg = LearnerConfig(num_ranks=4, zero_stage=2, lora=LoraConfig(rank=8, target_modules=["q_proj"]),
                         deepspeed={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
@@ -89,7 +128,7 @@ def test_start_line_reads_the_model_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     line = start_line(str(tmp_path), LearnerConfig(zero_stage=3), beta=0.04, on_gpu=False)
     assert line == describe(TINY, Layout(zero_stage=3), tokens=4096)
-    assert "ZeRO-3 over 2 ranks" in line and "activations per 4,096-token micro-batch" in line
+    assert "ZeRO-3 over 2 ranks" in line and "log-prob working memory per 4,096-token micro-batch" in line
     assert start_line(str(tmp_path / "missing"), LearnerConfig(), 0.04, False) is None
 
 
