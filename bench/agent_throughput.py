@@ -25,7 +25,10 @@ read by the agent's parser or the loop's), so the turns per episode are printed 
 
 `--extra-layers N` measures the same with the model deepened by N blocks that leave its output
 unchanged (`deepened`): the same calls at a larger model's sampling cost, the endpoint's and the
-agents' cost a request the same. `--runs` picks the agent runs (the loop always runs).
+agents' cost a request the same. `--runs` picks the agent runs (the loop always runs). The runs
+go in rounds (`--pairs`, 3 by default: the agent runs then the loop, round after round), and each
+agent's ratio to the loop is taken within a round and reported as the median with its range
+(bench/compare.py), so that the host's drift between rounds does not decide it.
 
 Beside the rates, each run's CPU seconds a step (generation workers, agent processes: read from
 /proc) and, from them, the ratio an endpoint that cost nothing would reach: the loop's sampling
@@ -43,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.results_io, bench.compare
 GRPO = str(Path(sys.executable).parent / "grpo")
 COMMON = ["data=mul_agent", "trainer.progress=false", "logger=none", "trainer.eval_every=0", "trainer.save_every=0",
           "trainer.max_restarts=0", "data.heldout_size=8"]  # the held-out accuracy is not what is measured
@@ -284,7 +288,10 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/bench")
     parser.add_argument("--model", default=None,
                         help="a model for agents already trained (a run's final_model): no warm-up run")
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--output", default=None,
+                        help="the JSON result (default bench/results/agent_throughput.json; bench/results_io.py)")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="rounds of the runs in turn (agents, then the loop); ratios are per round")
     parser.add_argument("--client-floor", action="store_true",
                         help="measure only the openai client's CPU per request against a bare server (1 and 32 processes)")
     parser.add_argument("--extra-layers", type=int, default=0,
@@ -307,7 +314,6 @@ def main() -> None:
     if args.extra_layers:
         args.model = deepened(args.model, out / "deepened_model", args.extra_layers)
     model = ["model=hf", f"model.path={args.model}", "warmup.steps=0", f"trainer.max_steps={args.steps}"]
-    results = {}
     runs = {"agent": ["rollout.agent=bench.agent_throughput:same_schema_agent"],
             "async agent": ["rollout.agent=bench.agent_throughput:same_schema_agent_async"],
             # The chat template as the endpoint renders every request (`auto` leaves a base
@@ -318,40 +324,59 @@ def main() -> None:
     if chosen - set(runs):
         parser.error(f"--runs: unknown {', '.join(sorted(chosen - set(runs)))} (of: {', '.join(runs)})")
     runs = {name: extra for name, extra in runs.items() if name in chosen}
-    for name, extra in runs.items():
-        before = load_average()
-        results[name] = rates(train(out, name, *model, *extra, *args.overrides))
-        results[name]["load_average"] = f"{before} -> {load_average()}"
     agents = [name for name in runs if name != "loop"]
-    for name in agents:
-        results[name]["ratio"] = results[name]["tokens_per_s"] / results["loop"]["tokens_per_s"]
-    lines = ["| | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
+    from bench import results_io
+    from bench.compare import Comparison
+
+    result = results_io.Result("agent_throughput")
+    rounds = []
+    for pair in range(args.pairs):
+        results = {}
+        for name, extra in runs.items():
+            before = load_average()
+            results[name] = rates(train(out, f"{name.replace(' ', '-')}-{pair}", *model, *extra, *args.overrides))
+            results[name]["load_average"] = f"{before} -> {load_average()}"
+        engine = results["loop"]["cpu_s_per_step"]["generation workers"]
+        for name in agents:
+            # Generation is CPU-bound here: the same sampling work (the loop's workers) plus what
+            # the agents' own processes spend bounds the ratio even for an endpoint that cost nothing.
+            agent = results[name]
+            if not agent["requests"]:
+                raise RuntimeError(f"the {name} run logged no agent_requests: its episodes did not reach the endpoint")
+            clients = agent["cpu_s_per_step"]["agent processes"]
+            agent["ratio"] = agent["tokens_per_s"] / results["loop"]["tokens_per_s"]
+            agent["ceiling_free_endpoint"] = engine / (engine + clients)
+            agent["client_ms_per_request"] = 1000 * clients / agent["requests"]
+            agent["server_ms_per_request"] = 1000 * (agent["cpu_s_per_step"]["generation workers"] - engine) \
+                / agent["requests"]
+        for name in runs:
+            result.add_run({"pair": pair, "run": name, "extra_layers": args.extra_layers, **results[name]})
+        rounds.append(results)
+    lines = ["| round | | sampled tokens/s (median step) | generate seconds (median) | sampled tokens a step | turns "
              "per episode | HTTP requests a step | engine steps a step | CPU s a step: generation workers, agent "
              "processes | first step's generate s | load average (before -> after) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in runs:
-        r, cpu = results[name], results[name]["cpu_s_per_step"]
-        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} | {r['sampled_tokens_per_step']:.0f} "
-                     f"| {r['turns_mean']:.2f} | {r['requests']:.0f} | {r['engine_steps']:.0f} | "
-                     f"{cpu['generation workers']:.2f}, "
-                     f"{cpu['agent processes']:.2f} | {r['first_generate_s']:.1f} | {r['load_average']} |")
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for pair, results in enumerate(rounds):
+        for name in runs:
+            r, cpu = results[name], results[name]["cpu_s_per_step"]
+            lines.append(f"| {pair + 1} | {name} | {r['tokens_per_s']:.0f} | {r['generate_s']:.2f} "
+                         f"| {r['sampled_tokens_per_step']:.0f} | {r['turns_mean']:.2f} | {r['requests']:.0f} "
+                         f"| {r['engine_steps']:.0f} | {cpu['generation workers']:.2f}, {cpu['agent processes']:.2f} "
+                         f"| {r['first_generate_s']:.1f} | {r['load_average']} |")
     print("\n".join(lines))
-    engine = results["loop"]["cpu_s_per_step"]["generation workers"]
+    summary = {"extra_layers": args.extra_layers, "pairs": args.pairs, "loop_tokens_per_s":
+               results_io.spread(r["loop"]["tokens_per_s"] for r in rounds)}
     for name in agents:
-        # Generation is CPU-bound here: the same sampling work (the loop's workers) plus what
-        # the agents' own processes spend bounds the ratio even for an endpoint that cost nothing.
-        agent = results[name]
-        if not agent["requests"]:
-            raise RuntimeError(f"the {name} run logged no agent_requests: its episodes did not reach the endpoint")
-        clients = agent["cpu_s_per_step"]["agent processes"]
-        server = agent["cpu_s_per_step"]["generation workers"] - engine
-        agent["ceiling_free_endpoint"] = engine / (engine + clients)
-        print(f"{name} / loop: {agent['ratio']:.2f}. CPU per request: agent processes "
-              f"{1000 * clients / agent['requests']:.2f} ms, generation workers beyond the loop's "
-              f"{1000 * server / agent['requests']:.2f} ms; the ratio with an endpoint that cost nothing: "
-              f"{agent['ceiling_free_endpoint']:.2f}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"command": sys.argv, **results}, indent=1) + "\n")
+        cmp = Comparison(a=[r[name]["tokens_per_s"] for r in rounds], b=[r["loop"]["tokens_per_s"] for r in rounds],
+                         label_a=name, label_b="loop")
+        summary[name] = {"comparison": cmp.summary(),
+                         **{key: results_io.spread(r[name][key] for r in rounds)
+                            for key in ("ceiling_free_endpoint", "client_ms_per_request", "server_ms_per_request")}}
+        print(f"{cmp.sentence()}. CPU per request: agent processes "
+              f"{summary[name]['client_ms_per_request']['median']:.2f} ms, generation workers beyond the loop's "
+              f"{summary[name]['server_ms_per_request']['median']:.2f} ms (medians); the ratio with an endpoint "
+              f"that cost nothing: {summary[name]['ceiling_free_endpoint']['median']:.2f}")
+    result.write(summary, path=Path(args.output) if args.output else None)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,21 @@ Runs `grpo train` (the built-in job unless overridden; held-out accuracy every 1
 reports from its metrics.jsonl and summary.json: completions/s and completion tokens/s over the
 GRPO steps, the share of step time in each phase, the overhead (step time spent in none of
 generation, scoring, training or weight sync: the driver, Ray calls, the buffer), and the time
-from the first GRPO step to the first held-out evaluation at or above the bar.
+from the first GRPO step to the first held-out evaluation at or above the bar; and per phase the
+median seconds a step over steps 2 and on (the first pays the engines' first requests). The run
+and its figures go to bench/results/end_to_end.json (bench/results_io.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.results_io, bench.compare
 GRPO = str(Path(sys.executable).parent / "grpo")
 PHASES = ("time_generate", "time_reward", "time_train", "time_weight_sync")
 
@@ -41,6 +45,8 @@ def report(run_dir: Path, bar: float) -> dict:
         "completions_per_s": sum(r["completions"] for r in timed) / wall,
         "tokens_per_s": sum(r["completion_tokens"] for r in timed) / wall,
         "shares": {p: phases[p] / wall for p in PHASES},
+        "median_s": {p: statistics.median(r.get(p, 0.0) for r in timed) for p in ("time_step", *PHASES)},
+        "first_step_s": rows[0]["time_step"],
         "eval_share": evaluation / wall,
         "overhead_share": max(wall - sum(phases.values()) - evaluation, 0.0) / wall,
         "bar": bar, "reached": reached,
@@ -54,8 +60,12 @@ def main() -> None:
     parser.add_argument("--bar", type=float, default=0.9, help="held-out greedy accuracy to reach")
     parser.add_argument("--output-dir", default="runs/bench")
     parser.add_argument("--from-run", default=None, help="report on this run folder instead of running")
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/end_to_end.json)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    from bench import results_io
+
+    result = results_io.Result("end_to_end")
     if args.from_run:
         run_dir = Path(args.from_run)
     else:
@@ -71,6 +81,9 @@ def main() -> None:
         f"| GRPO steps | {r['steps']} ({r['step_s']:.2f} s each on average, wall clock) |",
         f"| completions/s | {r['completions_per_s']:.1f} |",
         f"| completion tokens/s | {r['tokens_per_s']:.0f} |",
+        *[f"| median seconds a step, steps 2-{r['steps']}: {p[5:].replace('_', ' ')} | {s:.3f} s |"
+          for p, s in r["median_s"].items()],
+        f"| first GRPO step | {r['first_step_s']:.2f} s |",
         *[f"| share of step time: {p[5:].replace('_', ' ')} | {share:.1%} |" for p, share in r["shares"].items()],
         f"| share of step time: held-out evaluation (every 10 steps) | {r['eval_share']:.1%} |",
         f"| share of step time: overhead (none of the above) | {r['overhead_share']:.1%} |",
@@ -83,6 +96,8 @@ def main() -> None:
     out = run_dir.parent / "bench_end_to_end.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"command: {' '.join(sys.argv)}\n\n{table}\n\n{json.dumps(r, indent=2)}\n")
+    result.add_run({"run_dir": str(run_dir), **r})
+    result.write(r, path=Path(args.output) if args.output else None)
 
 
 if __name__ == "__main__":

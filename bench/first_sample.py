@@ -7,7 +7,8 @@ torch.compile in the engine (`rollout/worker.py no_compile`).
 One engine in this process (as the project's CPU workers run it), one thread: a greedy pass over
 the 200 held-out prompts (what a run does before its first step), then three batches of the
 default job's shape (64 prompts x 8, T=1, 32 tokens, the sampled tokens' log-probs, a seed per
-prompt), each timed.
+prompt), each timed. The seconds go to bench/results/first_sample.json (first_sample_eager.json
+with --no-compile; bench/results_io.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", help="a Hugging Face folder")
     parser.add_argument("--no-compile", action="store_true", help="what the project's eager CPU engines do")
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/first_sample[_eager].json)")
     args = parser.parse_args()
+    from bench import results_io
+
+    result = results_io.Result("first_sample_eager" if args.no_compile else "first_sample")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
@@ -52,6 +57,10 @@ def main() -> None:
         times.append(time.perf_counter() - begun)
     print(f"{'without' if args.no_compile else 'with'} torch.compile: sampled batches of 64 x 8: "
           + ", ".join(f"{t:.2f} s" for t in times))
+    for i, t in enumerate(times):
+        result.add_run({"batch": i + 1, "seconds": t, "compile": not args.no_compile})
+    result.write({"first_batch_s": times[0], "later_batches_s": results_io.spread(times[1:])},
+                 path=Path(args.output) if args.output else None, model=args.model)
 
 
 if __name__ == "__main__":

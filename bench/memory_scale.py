@@ -210,20 +210,25 @@ def sweep(args) -> None:
     """Every size x layout of --sweep, each in its own processes, one JSON line each in --output."""
     import subprocess
 
+    from bench import results_io
+
     passed = [a for a in sys.argv[1:] if a not in args.sweep and a not in ("--sweep",)]
     for size in args.sweep:
         hidden, layers, heads, inter = SIZES[size]
-        for name in args.layouts:
-            cmd = [sys.executable, __file__, *passed, "--hidden", str(hidden), "--layers", str(layers), "--heads",
-                   str(heads), "--inter", str(inter), *LAYOUTS[name]]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else None
-            result = json.loads(line) if line else {"error": proc.stderr.strip().splitlines()[-3:]}
-            result.update(size=size, layout=name)
-            print(json.dumps(result), flush=True)
-            if args.output:
-                with open(args.output, "a") as f:
-                    f.write(json.dumps(result) + "\n")
+        # --pairs N: the layouts in turn, N rounds (A B A B ...), so that a ratio of two layouts
+        # is taken per round (bench/compare.py) and the host's drift cannot decide it
+        for pair in range(args.pairs):
+            for name in args.layouts:
+                cmd = [sys.executable, __file__, *passed, "--hidden", str(hidden), "--layers", str(layers), "--heads",
+                       str(heads), "--inter", str(inter), *LAYOUTS[name]]
+                before = results_io.loadavg()
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else None
+                result = json.loads(line) if line else {"error": proc.stderr.strip().splitlines()[-3:]}
+                result.update(size=size, layout=name, pair=pair)
+                print(json.dumps(result), flush=True)
+                if args.output:
+                    results_io.append_jsonl(Path(args.output), result, "memory_scale", before)
 
 
 def step_seconds(ranks: list) -> float:
@@ -238,12 +243,32 @@ def step_seconds(ranks: list) -> float:
 
 def table(path: str) -> str:
     """The markdown table of a --sweep's JSON lines: per run the mean over its ranks."""
+    from bench import results_io
+
+    return table_rows(results_io.load(Path(path)))
+
+
+def compare_layouts(records: list, a: str, b: str, size: str, target: float = None):
+    """Layout a's peak per rank against layout b's, pair by pair (`--pairs`): less is better, so
+    the ratio is b / a and above 1 a peaks lower (bench/compare.py)."""
+    from bench.compare import Comparison
+
+    def peaks(layout):
+        return {r.get("pair", 0): sum(k["learner_peak_memory_mb"] for k in r["ranks"]) / len(r["ranks"])
+                for r in records if r.get("size") == size and r.get("layout") == layout and "error" not in r}
+    pa, pb = peaks(a), peaks(b)
+    pairs = sorted(set(pa) & set(pb))
+    return Comparison(a=[pa[i] for i in pairs], b=[pb[i] for i in pairs], lower_is_better=True, target=target,
+                      label_a=a, label_b=b)
+
+
+def table_rows(records: list) -> str:
+    """The markdown table of a --sweep's records: per run the mean over its ranks."""
     head = ("| size | layout | completion tokens | peak per rank MB | above baseline MB | formula: state + activations MB "
             "| above / formula | tensors counted MB | formula state MB | step rise MB | step s | push MB | load |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = [head]
-    for line in Path(path).read_text().splitlines():
-        run = json.loads(line)
+    for run in records:
         if "error" in run:
             rows.append(f"| {run['size']} | {run['layout']} | failed: {' '.join(run['error'])[-200:]} |")
             continue
@@ -263,8 +288,16 @@ def table(path: str) -> str:
                     f"| {mean('learner_peak_memory_mb'):,.0f} | {above:,.0f} | {f['total_mb']:,.0f} + "
                     f"{f['activations_mb']:,.0f} | {above / paper:.2f} | {mean('tensor_mb'):,.0f} | {f['total_mb']:,.0f} "
                     f"| {mean('step_rise_mb'):,.0f} | {step_seconds(ranks):.1f} | {mean('push_mb'):,.1f} "
-                    f"of {mean('full_push_mb'):,.1f} | {run['loadavg'][0]} |")
+                    f"of {mean('full_push_mb'):,.1f} | {_load(run['loadavg'])} |")
     return "\n".join(rows)
+
+
+def _load(load) -> str:
+    """The 1-minute load: the run's own (older rows) or before -> after it (results_io's)."""
+    if isinstance(load, dict):
+        before, after = load.get("before"), load.get("after")
+        return f"{before[0]} -> {after[0]}" if before else str(after[0])
+    return str(load[0])
 
 
 def _anon_mb(pid: int) -> float:
@@ -336,14 +369,23 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="*", choices=list(SIZES), default=[],
                         help="run each of these sizes in each --layouts (other flags apply to every run)")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
-    parser.add_argument("--output", help="--sweep: append each run's JSON line to this file")
+    parser.add_argument("--output", help="--sweep, --job: append each run's JSON line (with its command, commit, "
+                        "host and load: bench/results_io.py) to this file")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="--sweep: run the layouts in turn this many rounds (A B A B ...) for per-round ratios")
     parser.add_argument("--job", nargs=argparse.REMAINDER,
                         help="run `grpo train` with the overrides that follow and report its processes' peak memory")
     parser.add_argument("--table", help="print the markdown table of this --output file, run nothing")
     parser.add_argument("--cache", default="~/.cache/grpo/models")
     args = parser.parse_args()
     if args.job is not None:
-        print(json.dumps(job(args.job)), flush=True)
+        from bench import results_io
+
+        before = results_io.loadavg()
+        record = job(args.job)
+        print(json.dumps(record), flush=True)
+        if args.output:
+            results_io.append_jsonl(Path(args.output), record, "memory_scale_jobs", before)
     elif args.table:
         print(table(args.table))
     elif args.sweep:

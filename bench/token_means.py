@@ -8,7 +8,8 @@ vLLM, lays it out as the learner does (learner/batching.py: 2 ranks, 2 minibatch
 batches of rows sorted by length within learner.max_tokens_per_microbatch), computes the policy's
 entropy at every completion token (learner/logprobs.py), and prints three numbers: the token
 mean over the batch; a plain mean over the micro-batches (how the metric added up before
-learner/metrics.py); and what learner/metrics.py's combination gives.
+learner/metrics.py); and what learner/metrics.py's combination gives. The three go to
+bench/results/token_means.json (bench/results_io.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", help="a Hugging Face folder")
     parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_microbatch")
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/token_means.json)")
     args = parser.parse_args()
+    from bench import results_io
+
+    result = results_io.Result("token_means")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -60,9 +65,13 @@ def main() -> None:
             parts.append({"entropy": float(entropy[minibatch][mask[minibatch]].mean()),
                           "loss_tokens": float(mask[minibatch].sum())})
             print(f"micro-batches of {[len(m.rows) for m in micros]} rows: entropy {[round(x, 3) for x in means]}")
+            result.add_run({"micro_batch_rows": [len(m.rows) for m in micros], "micro_batch_entropy": means})
     print(f"token mean over the batch: {float(entropy[mask].mean()):.4f} nats/token")
     print(f"plain mean over the micro-batches: {sum(plain) / len(plain):.4f}")
     print(f"learner/metrics.py: {combine_metrics(parts)['entropy']:.4f}")
+    result.write({"token_mean": float(entropy[mask].mean()), "plain_mean_of_micro_batches": sum(plain) / len(plain),
+                  "learner_metrics": combine_metrics(parts)["entropy"]},
+                 path=Path(args.output) if args.output else None, model=args.model)
 
 
 if __name__ == "__main__":

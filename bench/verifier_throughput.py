@@ -3,7 +3,8 @@ workers, next to the same verifier called in-process (no Ray, no scorer process)
 
     .venv/bin/python bench/verifier_throughput.py [--math 4000] [--code 200] [--repeats 3]
 
-Prints a Markdown table (best of `--repeats` timed calls per row, after one warm-up call).
+Prints a Markdown table (best of `--repeats` timed calls per row, after one warm-up call); every
+timed call's seconds and the rates go to bench/results/verifier_throughput.json (bench/results_io.py).
 """
 from __future__ import annotations
 
@@ -40,14 +41,19 @@ def code_items(n: int, rng: random.Random):
     return items
 
 
-def best_of(repeats: int, fn) -> float:
-    fn()  # warm-up (imports, first sandbox)
+def timed(repeats: int, fn) -> list:
+    """Seconds of each of `repeats` calls after a warm-up one (imports, the first sandbox)."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best_of(repeats: int, fn) -> float:
+    return min(timed(repeats, fn))
 
 
 def main() -> None:
@@ -55,8 +61,13 @@ def main() -> None:
     parser.add_argument("--math", type=int, default=4000)
     parser.add_argument("--code", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/verifier_throughput.json)")
     args = parser.parse_args()
     import os
+
+    from bench import results_io
+
+    result = results_io.Result("verifier_throughput")
 
     import ray
 
@@ -69,15 +80,19 @@ def main() -> None:
     for name, items in workloads.items():
         settings = RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0)
         call = build_verifiers(settings)[name]
-        inproc = best_of(args.repeats, lambda call=call, items=items: [call(r.prompt, r.completion, r.answer, r.fields) for r in items])
+        seconds = {"in-process": timed(args.repeats, lambda call=call, items=items:
+                                       [call(r.prompt, r.completion, r.answer, r.fields) for r in items])}
+        inproc = min(seconds["in-process"])
         rates = {}
         for workers in (1, 2):
             pool = VerifierPool(RewardConfig(verifiers=[name], weights={name: 1.0}, timeout_s=10.0,
                                              num_workers=workers, num_cpus_per_worker=0.5))
             pool.ready()
-            rates[workers] = len(items) / best_of(args.repeats, lambda pool=pool, items=items: pool.score_items(items))
+            seconds[f"pool, {workers} workers"] = timed(args.repeats, lambda pool=pool, items=items: pool.score_items(items))
+            rates[workers] = len(items) / min(seconds[f"pool, {workers} workers"])
             pool.shutdown()
         rows.append((name, len(items), len(items) / inproc, rates[1], rates[2]))
+        result.add_run({"verifier": name, "completions": len(items), "seconds": seconds})
     ray.shutdown()
     print(f"machine: {os.cpu_count()} cores; best of {args.repeats} timed calls after one warm-up\n")
     print("| verifier | completions | in-process /s | pool, 1 worker /s | pool, 2 workers /s | "
@@ -86,6 +101,11 @@ def main() -> None:
     for name, n, inproc, one, two in rows:
         print(f"| {name} | {n} | {inproc:,.0f} | {one:,.0f} | {two:,.0f} | {two / one:.2f}x | "
               f"{(inproc / one - 1) * 100:+.0f}% time |")
+    result.write({name: {"completions_per_s_best": {"in-process": inproc, "pool, 1 worker": one, "pool, 2 workers": two},
+                         "completions_per_s": {kind: results_io.spread(n / t for t in times)
+                                               for kind, times in run["seconds"].items()}}
+                  for (name, n, inproc, one, two), run in zip(rows, result.record["runs"])},
+                 path=Path(args.output) if args.output else None)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the start model's seed (its warm-up and data)")
     parser.add_argument("--seeds", type=int, nargs="*", default=None,
                         help="run both once per seed (sampling, prompt order, held-out problems) from the same "
-                             "start model; the table shows the mean and the range (default: --seed alone)")
+                             "start model, this project then TRL, seed after seed; the table shows the mean and the "
+                             "range, and the speed ratio per seed (default: --seed and the two after it)")
     parser.add_argument("--lr", type=float, default=7e-4, help="both runs' learning rate")
     parser.add_argument("--lr-schedule", choices=("linear", "constant"), default="linear",
                         help="linear: this project decays to 0.1 of lr per GRPO step, TRL to 0 per optimizer "
@@ -201,13 +202,26 @@ def main() -> None:
                 "min_new_tokens": args.min_new_tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
                 "model": args.model}
     start = args.start or start_model(out, [f"trainer.seed={args.seed}", *args.model], not args.no_warmup)
+    from bench import results_io
+    from bench.compare import Comparison
+
+    result = results_io.Result("vs_trl")
     runs = []
-    for seed in args.seeds or [args.seed]:
+    # One pair per seed, this project then TRL (A B A B ...): the speed ratio is taken within a
+    # pair, so the host's drift between pairs does not decide it (bench/compare.py).
+    for seed in args.seeds if args.seeds is not None else [args.seed, args.seed + 1, args.seed + 2]:
         ours = run_ours(start, args.steps, out, [f"trainer.seed={seed}", *shared_overrides(settings), *args.overrides])
         runs.append((seed, ours, run_trl(start, args.steps, out, seed, settings)))
+        result.add_run({"seed": seed, "this_project": ours, "trl": runs[-1][2]})
     table = format_table(start, args.steps, runs)
+    step = Comparison(a=[r[1]["step_s"] for r in runs], b=[r[2]["step_s"] for r in runs], lower_is_better=True,
+                      label_a="this project", label_b="TRL")
     print(table)
+    print(f"seconds per GRPO step, speed ratio per seed: {step.sentence()}")
     (out / "vs_trl.md").write_text(f"command: {' '.join(sys.argv)}\n\n{table}\n")
+    result.write({"start": start, "settings": settings, "step_speed_ratio": step.summary(),
+                  "after_this_project": results_io.spread(r[1]["after"] for r in runs),
+                  "after_trl": results_io.spread(r[2]["after"] for r in runs)})
 
 
 ROWS = [("seconds per GRPO step (median)", "step_s", "{:.2f}"),

@@ -80,8 +80,13 @@ def main() -> None:
     parser.add_argument("--probe", type=int, default=100)
     parser.add_argument("--schedule", choices=["constant", "warmup-cosine"], default="constant")
     parser.add_argument("--cache", default="~/.cache/grpo/models")
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/warmup_curves.json)")
     args = parser.parse_args()
     import torch
+
+    from bench import results_io
+
+    result = results_io.Result("warmup_curves")
 
     torch.set_num_threads(1)
     print(f"lr {args.lr}, {args.schedule}, batch {args.batch}: held-out greedy accuracy (first {args.probe}) by step")
@@ -90,6 +95,11 @@ def main() -> None:
         points = curve(seed, args.lr, args.steps, args.every, args.schedule, args.batch, args.probe, args.cache)
         cells = " ".join(f"{s}:{a:.0%}" for s, a, _ in points)
         print(f"seed {seed}: {cells}  (loss {points[-1][2]:.3f}, {time.time() - started:.0f} s)", flush=True)
+        result.add_run({"seed": seed, "lr": args.lr, "schedule": args.schedule,
+                        "points": [{"step": s, "accuracy": a, "loss": loss} for s, a, loss in points]})
+    # the first probed step at or above 50% per seed: where the warm-up's probe would stop it
+    passed = [next((p["step"] for p in run["points"] if p["accuracy"] >= 0.5), None) for run in result.record["runs"]]
+    result.write({"first_step_at_50_percent": passed}, path=Path(args.output) if args.output else None)
 
 
 if __name__ == "__main__":

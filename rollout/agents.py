@@ -79,8 +79,8 @@ def _agent_main(conn, path: str, search_path: Sequence[str], timeout_s: float, p
 
     fn = load_function(path, search_path)
     # Each episode gets its own HTTP client (an agent may close it: `with OpenAI(...)`), all on
-    # one TLS context built here: building it is most of a new client's cost, 20-50 ms of CPU,
-    # more than the rest of an episode's requests cost the tiny model (bench/agent_throughput.py).
+    # one TLS context built here: building it is most of a new client's cost in CPU, more than
+    # the rest of an episode's requests cost the tiny model (bench/agent_throughput.py).
     tls = ssl.create_default_context()
     if inspect.iscoroutinefunction(fn):
         conn.send((_READY, per_process))
@@ -178,8 +178,8 @@ class AgentPool:
         # Never fork the actor (it holds the engine's threads): the processes are forked from
         # multiprocessing's fork server, a clean process started once that has imported `openai`
         # and this module. Spawned instead, each process imported them anew, and Ray's worker
-        # module as its parent's main: 8 took 7.3 s to get ready against 2.0 s from the fork
-        # server, on 2 busy cores. They still die with the actor: the fork server exits when its
+        # module as its parent's main, and took several times as long to get ready as from the
+        # fork server (bench/agent_throughput.py). They still die with the actor: the fork server exits when its
         # parent does, and each process when the fork server does (die_with_parent).
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["openai", "rollout.agents"])

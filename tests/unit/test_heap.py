@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from common import heap
 
 
@@ -32,10 +34,8 @@ def test_within_no_full_collection_runs_young_ones_do_and_after_the_heap_is_froz
 def test_a_failing_start_restores_the_thresholds_and_freezes_nothing():
     before = gc.get_threshold()
     gc.unfreeze()
-    try:
+    with pytest.raises(RuntimeError, match="the engine did not start"):
         with heap.without_full_collections():
             raise RuntimeError("the engine did not start")
-    except RuntimeError:
-        pass
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0

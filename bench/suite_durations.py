@@ -1,0 +1,135 @@
+"""The test suite's durations, kept where the next change can read them: bench/results/suite.json.
+
+    .venv/bin/python bench/suite_durations.py -- -n 2 tests          # runs pytest with these arguments
+    .venv/bin/python bench/suite_durations.py --from-xml junit.xml --log pytest.log   # a run already made
+
+Runs pytest with `--junitxml` and `--durations` (unless given), and writes with bench/results_io.py:
+`runs`, every test with its seconds and outcome, the slowest first (from the JUnit XML:
+setup, call and teardown together, as pytest's XML counts them); `summary`: pytest's own total
+seconds (its last line), the wall seconds of the whole command, pass/fail/skip/error counts, the
+seconds per tier (tests/unit, tests/integration, tests/e2e) and per file, and the `--durations`
+table as pytest printed it. Exits with pytest's status.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# pytest's last line, with its rules (the default) or without (-q): "1 failed, 17 passed in 2.00s"
+TOTAL = re.compile(r"^=*\s*(?P<counts>\d+ \w+(?:, \d+ \w+)*|no tests ran) in (?P<seconds>[\d.]+)s(?: \([\d:]+\))?\s*=*$")
+
+
+def node_id(classname: str, name: str) -> str:
+    """pytest's node id from JUnit's dotted classname: the longest prefix that is a test file
+    is the path, the rest a class."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = "/".join(parts[:cut]) + ".py"
+        if (ROOT / path).is_file():
+            return "::".join([path, *parts[cut:], name])
+    return "::".join([classname.replace(".", "/") + ".py", name])
+
+
+def parse_xml(path: Path) -> list:
+    """Every test case of a JUnit XML file: node id, seconds, outcome; the slowest first."""
+    tests = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            if case.find(child) is not None:
+                outcome = name
+                break
+        tests.append({"test": node_id(case.get("classname", ""), case.get("name", "")),
+                      "seconds": float(case.get("time", 0.0)), "outcome": outcome})
+    return sorted(tests, key=lambda t: -t["seconds"])
+
+
+def parse_log(text: str) -> dict:
+    """From pytest's terminal output: the `--durations` table's lines and the final line's
+    counts and total seconds."""
+    lines = text.splitlines()
+    table, inside = [], False
+    for line in lines:
+        if "slowest" in line and "durations" in line and line.startswith("="):
+            inside = True
+            continue
+        if inside:
+            if line.startswith("=") or line.startswith("-" * 10):
+                break
+            if line.strip():
+                table.append(line.rstrip())
+    counts, seconds = {}, None
+    for line in reversed(lines):
+        m = TOTAL.match(line.strip())
+        if m:
+            seconds = float(m.group("seconds"))
+            for part in m.group("counts").split(", "):
+                number, _, kind = part.partition(" ")
+                if number.isdigit():
+                    counts[kind] = int(number)
+            break
+    return {"durations_table": table, "pytest_counts": counts, "pytest_seconds": seconds}
+
+
+def summarize(tests: list, log: dict, wall: float = None) -> dict:
+    tiers, files = collections.Counter(), collections.Counter()
+    for t in tests:
+        path = t["test"].split("::")[0]
+        files[path] += t["seconds"]
+        parts = path.split("/")
+        tiers[parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"] += t["seconds"]
+    return {"pytest_seconds": log["pytest_seconds"], "wall_seconds": wall,
+            "test_seconds_sum": sum(t["seconds"] for t in tests), "tests": len(tests),
+            "outcomes": dict(collections.Counter(t["outcome"] for t in tests)),
+            "pytest_counts": log["pytest_counts"], "tier_seconds": dict(tiers),
+            "file_seconds": dict(files.most_common()), "durations_table": log["durations_table"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from-xml", default=None, help="a JUnit XML file of a run already made (runs nothing)")
+    parser.add_argument("--log", default=None, help="with --from-xml: that run's terminal output")
+    parser.add_argument("--durations", type=int, default=50, help="pytest --durations, unless the arguments set it")
+    parser.add_argument("--output", default=None, help="default bench/results/suite.json")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's arguments")
+    args = parser.parse_args()
+    from bench import results_io
+
+    result = results_io.Result("suite")
+    pytest_args = [a for a in args.pytest_args if a != "--"] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    wall, status = None, 0
+    if args.from_xml:
+        xml, text = Path(args.from_xml), Path(args.log).read_text() if args.log else ""
+    else:
+        xml = Path(tempfile.mkdtemp(prefix="suite-")) / "junit.xml"
+        extra = [] if any(a.startswith("--durations") for a in pytest_args) else [f"--durations={args.durations}"]
+        cmd = [sys.executable, "-m", "pytest", f"--junitxml={xml}", *extra, *pytest_args]
+        start, out = time.monotonic(), []
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:  # shown as it comes and kept for the table
+            sys.stdout.write(line)
+            out.append(line)
+        status = proc.wait()
+        wall, text = time.monotonic() - start, "".join(out)
+    tests = parse_xml(xml)
+    for t in tests:
+        result.add_run(t)
+    summary = summarize(tests, parse_log(text), wall)
+    result.write(summary, path=Path(args.output) if args.output else None)
+    print(f"{summary['tests']} tests, {summary['outcomes']}; pytest's total {summary['pytest_seconds']} s, "
+          f"the command {wall and round(wall)} s", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
