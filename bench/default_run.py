@@ -4,7 +4,9 @@
     .venv/bin/python bench/default_run.py --name tools --minutes 10 data=mul 'rollout.tools=[calculator]'
 
 Each run is a real `grpo train` process; the table is printed as Markdown and saved next to the
-runs as `bench_default_run.md`.
+runs as `bench_default_run.md`. With `--record`, every run's summary and the table's figures also
+go to the benchmark's one current result file, bench/results/<name>_run.json (default_run.json),
+with the command, commit, host and load average (bench/results_io.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `from bench import results_io` as a script
+
 GRPO = str(Path(sys.executable).parent / "grpo")
 
 
@@ -25,8 +29,13 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/bench")
     parser.add_argument("--name", default="default", help="run name prefix and table file suffix")
     parser.add_argument("--minutes", type=float, default=6.0, help="the bar's process minutes")
+    parser.add_argument("--record", action="store_true",
+                        help="also write the result file bench/results/<name>_run.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    from bench import results_io
+
+    result = results_io.Result(f"{args.name}_run")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows = []
     for seed in args.seeds:
@@ -42,6 +51,8 @@ def main() -> None:
         warm = re.search(r"warm-up: (\d+) supervised steps.*?(?:probe accuracy ([\d.]+)%)?$", proc.stdout, re.M)
         rows.append((seed, warm.group(1) if warm else "0", summary["heldout_accuracy_before"],
                      summary["heldout_accuracy_after"], summary["wall_minutes"], wall))
+        result.add_run({"seed": seed, "run_name": name, "warmup_steps": int(rows[-1][1]),
+                        "process_minutes": wall, "summary": summary})
     lines = ["| seed | warm-up steps | held-out before GRPO | after GRPO | gain (points) | job minutes | "
              f"process minutes | +20 points to 80% within {args.minutes:g} min |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -58,6 +69,13 @@ def main() -> None:
     out = Path(args.output_dir) / ("bench_default_run.md" if args.name == "default" else f"bench_{args.name}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"command: {' '.join(sys.argv)}\n\n{table}\n")
+    if args.record:
+        result.write(overrides=args.overrides, summary={
+            "seeds_meeting_the_bar": met, "seeds": len(rows),
+            "heldout_before": results_io.spread(r[2] for r in rows),
+            "heldout_after": results_io.spread(r[3] for r in rows),
+            "gain_points": results_io.spread(100 * (r[3] - r[2]) for r in rows),
+            "job_minutes": results_io.spread(r[4] for r in rows)})
 
 
 if __name__ == "__main__":

@@ -23,9 +23,14 @@ def global_sum(x: torch.Tensor) -> float:
     return float(total)
 
 
-def global_std(r: torch.Tensor) -> float:
-    """The population std of every rank's elements of `r` together (not a mean of per-rank stds)."""
+def global_std(r: torch.Tensor, unbiased: bool = True) -> float:
+    """The std of every rank's elements of `r` together (not a mean of per-rank stds): the sample
+    std (1/(N-1), as torch.std) when `unbiased`, else the population std (1/N)."""
     stats = torch.stack([r.sum(), (r * r).sum(), r.new_tensor(float(r.numel()))]).double()
     dist.all_reduce(stats)
-    mean = stats[0] / stats[2]
-    return float((stats[1] / stats[2] - mean * mean).clamp(min=0).sqrt())
+    total, n = stats[0], stats[2]
+    mean = total / n
+    # Sum of squared deviations from the sums: the float64 cancellation is far below the eps added
+    # to the std, for rewards of order 1.
+    squares = (stats[1] - total * mean).clamp(min=0)
+    return float((squares / (n - 1 if unbiased else n).clamp(min=1)).sqrt())

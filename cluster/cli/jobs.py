@@ -3,7 +3,7 @@
 The config is composed and checked here first, so a bad override fails on the user's machine
 with exit status 2 instead of as a failed job on the cluster. The job's runtime environment
 uploads this repository (without virtualenvs, runs, caches) as its working directory and
-forwards the submitting shell's `WANDB_*`, `HF_*`, `VLLM_*`, `NCCL_*` and `GRPO_*` variables.
+forwards the submitting shell's `WANDB_*`, `MLFLOW_*`, `HF_*`, `VLLM_*`, `NCCL_*` and `GRPO_*` variables.
 Ray's token authentication (on by default on Ray 2.60 heads) is the SDK's: it reads the token
 from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token when RAY_AUTH_MODE=token.
 """
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXCLUDES = [".venv", ".git", "runs", "wandb", "outputs", ".whl", ".pytest_cache", "__pycache__", "*.pyc",
             "*.egg-info", "docs"]
 """Never uploaded with the working directory: environments, run outputs, caches."""
-FORWARDED_ENV = ("WANDB_", "HF_", "HUGGING_FACE_", "VLLM_", "NCCL_", "GRPO_", "MALLOC_")
+FORWARDED_ENV = ("WANDB_", "MLFLOW_", "HF_", "HUGGING_FACE_", "VLLM_", "NCCL_", "GRPO_", "MALLOC_")
 """Environment variables (by prefix) that the job gets from the submitting shell."""
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 

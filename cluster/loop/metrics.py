@@ -1,14 +1,14 @@
-"""Where a run's numbers go: metrics.jsonl (always), wandb (offline by default), the progress bar."""
+"""Where a run's numbers go: metrics.jsonl (always), the dashboards of `logger.backends` (wandb,
+offline by default; TensorBoard; MLflow: cluster/loop/dashboards.py), the progress bar."""
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
+from cluster.loop.dashboards import open_feeds
 from cluster.loop.samples import keep_steps
 
 # Shown in the progress bar, in this order.
@@ -19,20 +19,11 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, config: dict, total_steps: int, logger_cfg, progress: bool,
                  resume_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        self.sent = 0  # the last step wandb has: it takes no step twice
+        self.sent = resume_step  # the last step the dashboards have: they take no step twice
         self._keep(resume_step)
-        self.wandb_run = None
-        if logger_cfg.backend == "wandb":
-            import wandb  # only with logger=wandb: its import costs seconds
-
-            os.environ.setdefault("WANDB_MODE", logger_cfg.mode)
-            os.environ.setdefault("WANDB_SILENT", "true")
-            # One wandb run per run folder: a resumed job continues it (its id is kept here).
-            id_file = run_dir / "wandb_id"
-            if not id_file.exists():
-                id_file.write_text(uuid.uuid4().hex[:12])
-            self.wandb_run = wandb.init(project=logger_cfg.project, name=run_dir.name, config=config,
-                                        dir=str(run_dir), id=id_file.read_text().strip(), resume="allow")
+        # Each dashboard opens and is fed on a thread of its own (a slow or failing one holds up
+        # no step); the rows are written to metrics.jsonl here first, whatever they do.
+        self.feeds = open_feeds(logger_cfg.backends, run_dir, config, logger_cfg)
         self.bar = None
         if progress:
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="GRPO", unit="step", dynamic_ncols=True)
@@ -43,8 +34,8 @@ class MetricsLogger:
 
     def rewind(self, step: int) -> None:
         """Back to the end of `step` (a learner rebuilt from its checkpoint trains the later
-        steps again): their lines are written again; wandb keeps the ones it has, which the
-        steps trained again repeat."""
+        steps again): their lines are written again; the dashboards keep the ones they have, which
+        the steps trained again repeat."""
         self._keep(step)
         if self.bar is not None:
             self.bar.n = step
@@ -53,22 +44,31 @@ class MetricsLogger:
     def log(self, row: Dict[str, float]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb_run is not None and int(row["step"]) > self.sent:
-            self.wandb_run.log(row, step=int(row["step"]))
-            self.sent = int(row["step"])
+        step = int(row["step"])
+        if step > self.sent:
+            row = dict(row)  # the feeds read it later, on their threads
+            for feed in self.feeds:
+                feed.put("log", lambda board: board.log(row, step))
+            self.sent = step
         if self.bar is not None:
             self.bar.set_postfix({short: f"{row[key]:.3f}" for key, short in BAR_KEYS.items() if key in row})
             self.bar.update(1)
 
     def summary(self, values: Dict[str, float]) -> None:
-        if self.wandb_run is not None:
-            self.wandb_run.summary.update(values)
+        """The run's final figures (held-out accuracy, the final evaluation), at its last step."""
+        values, step = dict(values), self.sent
+        for feed in self.feeds:
+            feed.put("summary", lambda board: board.summary(values, step))
+
+    def artifacts(self, paths: List[Path]) -> None:
+        """Files of the run folder (summary.json, report.png) for the dashboards that keep files."""
+        for feed in self.feeds:
+            feed.put("artifacts", lambda board: board.artifacts(list(paths)))
 
     def close(self) -> Optional[str]:
+        """Finish every dashboard (each within logger.timeout_s); returns the wandb run's folder
+        (None without wandb)."""
         if self.bar is not None:
             self.bar.close()
-        if self.wandb_run is not None:
-            folder = self.wandb_run.dir
-            self.wandb_run.finish()
-            return str(Path(folder).parent)
-        return None
+        folders = {feed.name: feed.close() for feed in self.feeds}
+        return folders.get("wandb")

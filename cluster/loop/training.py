@@ -153,9 +153,12 @@ def finish(run: Run, heldout) -> Dict[str, object]:
         **eval_metrics,
     }
     run.logger.summary(summary)
-    summary["wandb_dir"] = run.close_logger()
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary_file = run.run_dir / "summary.json"
+    summary_file.write_text(json.dumps(summary, indent=2) + "\n")
     write_report(run.run_dir, accuracy_before, accuracy_after)
+    run.logger.artifacts([run.run_dir / name for name in ("config.yaml", "summary.json", "report.png")])
+    summary["wandb_dir"] = run.close_logger()
+    summary_file.write_text(json.dumps(summary, indent=2) + "\n")  # with the wandb run's folder, known now
     return {**summary, "run_dir": str(run.run_dir)}
 
 

@@ -13,15 +13,16 @@ D = torch.float64
 
 # ---------------------------------------------------------------- reference (explicit loops)
 
-def ref_advantages(rewards, G, scale, eps, estimator):
+def ref_advantages(rewards, G, scale, eps, estimator, std="sample"):
+    ddof = 1 if std == "sample" else 0
     r = [float(x) for x in rewards]
     batch_mean = sum(r) / len(r)
-    batch_std = math.sqrt(sum((x - batch_mean) ** 2 for x in r) / len(r))
+    batch_std = math.sqrt(sum((x - batch_mean) ** 2 for x in r) / (len(r) - ddof))
     out = []
     for g in range(len(r) // G):
         grp = r[g * G:(g + 1) * G]
         mu = sum(grp) / G
-        sd = math.sqrt(sum((x - mu) ** 2 for x in grp) / G)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in grp) / (G - ddof))
         for i, x in enumerate(grp):
             if estimator == "grpo":
                 a = x - mu
@@ -90,15 +91,15 @@ def random_batch(seed, N=6, T=7):
     return lp, old, ref, adv, mask
 
 
-@pytest.mark.parametrize("scale,estimator", list(itertools.product(
-    ["group", "batch", "none"], ["grpo", "rloo"])))
-def test_advantages_match_reference(scale, estimator):
+@pytest.mark.parametrize("scale,estimator,std", list(itertools.product(
+    ["group", "batch", "none"], ["grpo", "rloo"], ["sample", "population"])))
+def test_advantages_match_reference(scale, estimator, std):
     g = torch.Generator().manual_seed(0)
     rewards = torch.randn(5 * 4, generator=g, dtype=D)
     rewards[4:8] = 0.7                                           # one group without signal
     rewards[8:12] = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=D)
-    got = compute_advantages(rewards, 4, scale=scale, estimator=estimator)
-    want = ref_advantages(rewards, 4, scale, 1e-4, estimator)
+    got = compute_advantages(rewards, 4, scale=scale, estimator=estimator, std=std)
+    want = ref_advantages(rewards, 4, scale, 1e-4, estimator, std)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(got[4:8], torch.zeros(4, dtype=D))
 
@@ -152,7 +153,7 @@ def test_metrics_match_reference():
 # ---------------------------------------------------------------- hand-worked numbers
 
 def test_advantages_hand_worked():
-    a = compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=D), 4)
+    a = compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=D), 4, std="population")
     s = 0.5 / (0.5 + 1e-4)
     torch.testing.assert_close(a, torch.tensor([s, -s, -s, s], dtype=D), rtol=0, atol=1e-15)
     torch.testing.assert_close(a, torch.tensor([1.0, -1, -1, 1], dtype=D), rtol=0, atol=3e-4)
@@ -164,7 +165,7 @@ def test_advantages_hand_worked():
                            estimator="rloo")
     torch.testing.assert_close(a, torch.tensor([1.5, -1.5, 0.0], dtype=D))
     # Batch std: groups [1,0] and [3,3]; population std of [1,0,3,3] is sqrt(1.6875).
-    a = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=D), 2, scale="batch")
+    a = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=D), 2, scale="batch", std="population")
     s = 0.5 / (math.sqrt(1.6875) + 1e-4)
     torch.testing.assert_close(a, torch.tensor([s, -s, 0.0, 0.0], dtype=D))
 

@@ -54,6 +54,6 @@ def test_the_job_gets_the_shells_settings_it_needs_and_no_others():
     job; the rest of the submitting shell does not."""
     from cluster.cli.jobs import runtime_env
 
-    shell = {"WANDB_API_KEY": "k", "HF_HOME": "/h", "MALLOC_MMAP_THRESHOLD_": "1048576",
+    shell = {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t", "HF_HOME": "/h", "MALLOC_MMAP_THRESHOLD_": "1048576",
              "MALLOC_TRIM_THRESHOLD_": "0", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "s"}
     assert runtime_env(shell)["env_vars"] == {k: v for k, v in shell.items() if k not in ("HOME", "AWS_SECRET_ACCESS_KEY")}
