@@ -1,7 +1,7 @@
 """Chaos: a default-shaped run during which a role is SIGKILLed every few steps, against a
 straight run of the same settings.
 
-    .venv/bin/python bench/chaos.py --steps 30 --every 4 --modes sync async
+    .venv/bin/python bench/chaos.py --steps 30 --every 4 --modes sync async streaming
 
 For each mode: a straight `grpo train`, then the same run while this script kills, at every
 `--every`-th step logged, one of (in a seeded random order, each kind at least once): a
@@ -11,7 +11,10 @@ among the run's own processes by Ray's process title), the driver (SIGKILL, then
 writes (`--output`) the kills survived, the recovery seconds per kind (in-run kinds: the
 run's own "back in" figure; driver and SIGTERM: from the kill until the new process has
 resumed its checkpoint), and whether the final weights and samples.jsonl equal the straight
-run's.
+run's. Mode `streaming` is async mode with rollout.streaming and rollout.partial: its runs are
+not bit-exact repeats (how far a request got at a push depends on timing), so what must hold
+there is `same_prompts` (every step trains the straight run's prompts and samples, each once;
+samples.jsonl without the versions).
 """
 from __future__ import annotations
 
@@ -32,10 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GRPO = str(Path(sys.executable).parent / "grpo")
 IN_RUN = {"generation worker": "ray::GenerationWorker", "verifier": "ray::VerifierWorker", "learner rank": "ray::LearnerRank"}
 KINDS = [*IN_RUN, "driver", "SIGTERM"]
+MODES = {"sync": ["trainer.mode=sync"], "async": ["trainer.mode=async"],
+         "streaming": ["trainer.mode=async", "rollout.streaming=true", "rollout.partial=true"]}
 
 
 def overrides(out: Path, name: str, mode: str, steps: int, extra) -> list:
-    return [f"trainer.output_dir={out}", f"trainer.run_name={name}", f"trainer.mode={mode}",
+    return [f"trainer.output_dir={out}", f"trainer.run_name={name}", *MODES[mode],
             f"trainer.max_steps={steps}", "trainer.progress=false", "logger=none", *extra]
 
 
@@ -142,28 +147,37 @@ def one_mode(out: Path, args, mode: str) -> dict:
             "resume_seconds": [{"kind": r["kind"], "seconds": round(r.get("at", float("nan")), 1)} for r in chaos["resumes"]],
             "steps_logged": [json.loads(line)["step"] for line in (chaos["run_dir"] / "metrics.jsonl").read_text().splitlines()],
             "same_weights": same_weights(out / f"straight-{mode}", chaos["run_dir"]),
-            "same_samples": read(out / f"straight-{mode}") == read(chaos["run_dir"])}
+            "same_samples": read(out / f"straight-{mode}") == read(chaos["run_dir"]),
+            "same_prompts": [s[:3] for s in read(out / f"straight-{mode}")] == [s[:3] for s in read(chaos["run_dir"])]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=4, help="a kill every N steps logged")
-    parser.add_argument("--modes", nargs="+", default=["sync", "async"])
+    parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=list(MODES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=40, help="give up on a chaos run after this long")
     parser.add_argument("--out", default="runs/chaos")
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/chaos.json)")
     parser.add_argument("overrides", nargs="*", help="more grpo train overrides (both runs)")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import results_io
+
+    record = results_io.Result("chaos")
     out = Path(args.out).resolve()
     results = []
     for mode in args.modes:
         result = one_mode(out, args, mode)
         results.append(result)
+        record.add_run(result)
         print(json.dumps(result), flush=True)
-    if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+    record.write({r["mode"]: {"kills": len(r["kills"]),
+                              "steps_logged_once": r["steps_logged"] == sorted(set(r["steps_logged"])),
+                              "same_weights": r["same_weights"], "same_samples": r["same_samples"],
+                              "same_prompts": r["same_prompts"]}
+                  for r in results}, path=Path(args.output) if args.output else None, args=vars(args))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,26 @@ class ChunkReport:
 
 
 @dataclass(frozen=True)
+class StreamReport:
+    """The last value a streaming generation call (`advance`) yields, after the groups that
+    finished during it, in the order they finished."""
+    tickets: Tuple[int, ...] = ()
+    """The driver's ticket of each finished group's request, in the order the groups came."""
+    versions: Tuple[int, ...] = ()
+    """The oldest policy version among each group's tokens (its `policy_version`)."""
+    newest: Tuple[int, ...] = ()
+    """The newest policy version among each group's tokens."""
+    lengths: Tuple[Tuple[int, ...], ...] = ()
+    """Each group's completion lengths in tokens."""
+    version_tokens: Tuple[Tuple[Tuple[int, int], ...], ...] = ()
+    """Each group's (policy version, tokens sampled by it) pairs."""
+    stats: Mapping[str, float] = field(default_factory=dict, hash=False)
+    """Counts and sums over the call (completions, tokens, engine steps and their seconds)."""
+    running: int = 0
+    """Requests still in the engine after the call."""
+
+
+@dataclass(frozen=True)
 class ScoringRequest:
     """One completion for the verifiers; each verifier is called with these four, in this order."""
     prompt: str
@@ -87,6 +107,8 @@ class Outcome:
     reward: float = 0.0
     timed_out: List[str] = field(default_factory=list, hash=False)
     errors: List[str] = field(default_factory=list, hash=False)
+    counts: Dict[str, float] = field(default_factory=dict, hash=False)
+    """What a verifier counts about this completion besides its score (`judge_unparseable`)."""
 
 
 # The driver's own state: what a run resolved before its roles start, and what a checkpoint keeps.

@@ -7,7 +7,7 @@ ever holds ObjectRefs to it (the buffer), never the payload.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -40,6 +40,10 @@ class PromptGroup:
     transcripts: Optional[List[str]] = None
     """Multi-turn episodes: per completion, the model's turns and the tool results in order
     (`completions` holds the model's turns only). Verifiers get it as the field `transcript`."""
+    version_spans: Optional[List[List[Tuple[int, int, int]]]] = None
+    """Streaming rollouts: per completion, (policy version, start, end) of each span of its
+    tokens sampled by one version (a sample may span a weight push with rollout.partial; the
+    oldest is `policy_version`). None: every token by `policy_version`."""
 
     @property
     def group_size(self) -> int:

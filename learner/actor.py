@@ -19,6 +19,7 @@ from common.config import AlgoConfig, LearnerConfig
 from learner import engines
 from learner.batching import MicroBatcher, flatten
 from learner.checkpoint_state import CheckpointState
+from learner.metrics import VERSION_TOKENS
 from learner.peak_memory import peak_memory_mb, reset_peak_memory
 from learner.policy import PolicyModel
 from learner.update import make_update, shape_rewards
@@ -41,6 +42,8 @@ class LearnerRank:
         from transformers import AutoTokenizer
 
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        if self.on_gpu:
+            self._check_logits_fit(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Llama-style tokenizers have no pad token: any id works under the attention mask.
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
@@ -49,15 +52,30 @@ class LearnerRank:
         # Under ZeRO-3 kept for the rank's life: the reference is built partitioned later too.
         self._zero3_models = engines.zero3_models(ds_config)
         checkpointed = engines.checkpointing(cfg, self.on_gpu)
+        if engines.offloads_optimizer(ds_config):
+            engines.prepare_host_optimizer(cfg, self.on_gpu)  # the driver said it in its start lines
         self.policy = PolicyModel(model_path, cfg, algo, ds_config, dtype, self.on_gpu, checkpointed,
                                   adapters_from_start)
         self.device = self.policy.device
         self.critic = (engines.critic_engine(model_path, cfg, algo, ds_config, dtype, checkpointed)
                        if algo.adv_estimator == "gae" else None)
-        self.micro = MicroBatcher(cfg.max_tokens_per_microbatch, self.device)
+        self.micro = MicroBatcher(cfg.max_tokens_per_microbatch, self.device, cfg.pack_sequences)
         self.update = make_update(algo, cfg.minibatches, max_new_tokens, self.micro, world_size, self.critic)
         self.sender = WeightSender(self.policy, rank)
         self.state = CheckpointState(self.policy, self.critic, self.tokenizer, rank)
+
+    def _check_logits_fit(self, model_path: str) -> None:
+        """Stop before the first step when a micro-batch's logits alone cannot fit on this GPU."""
+        from transformers import AutoConfig
+
+        from common.errors import BadInput
+        from learner.memory_plan import logits_past_memory
+
+        vocab = AutoConfig.from_pretrained(model_path).vocab_size
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        error = logits_past_memory(vocab, self.cfg.max_tokens_per_microbatch, 2, total)
+        if error:
+            raise BadInput(error)
 
     def __repr__(self) -> str:
         # Ray names the rank's log files' actor (":actor_name:" in its session's worker logs) and
@@ -119,6 +137,7 @@ class LearnerRank:
         return {
             **metrics,
             "response_length_mean": sum(batch.lengths) / len(batch.lengths),
+            **{f"{VERSION_TOKENS}{v}": float(n) for v, n in batch.version_tokens.items()},
             "truncated_fraction": sum(batch.truncated) / len(batch.truncated),
             "overlong_penalty_mean": float(shaping.mean()),
             "lr": self.policy.optimizer.param_groups[0]["lr"],

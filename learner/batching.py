@@ -1,13 +1,14 @@
 """From prompt groups to padded tensors, and from a minibatch to micro-batches within a token budget."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from learner.collectives import global_max
 from learner.logprobs import token_logprobs
+from learner.packing import pack_rows, packed_positions, packed_token_logprobs
 
 
 @dataclass
@@ -23,6 +24,9 @@ class Rollouts:
     truncated: List[bool]
     sampler_logprobs: Optional[torch.Tensor]
     group_size: int
+    version_tokens: Dict[int, int] = field(default_factory=dict)
+    """Completion tokens by the policy version that sampled them (each span's own version when
+    a sample spans a weight push, else the sample's `policy_version`)."""
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -60,7 +64,20 @@ def flatten(groups: list, pad_id: int, device) -> Rollouts:
     ids, attention, mask = pad(seqs, starts, pad_id, device)
     mask = model_tokens_only(mask, own, starts)
     return Rollouts(ids, attention, mask, torch.tensor(rewards, dtype=torch.float32, device=device), lengths,
-                    truncated, _sampler_logprobs(sampled, starts, mask), groups[0].group_size)
+                    truncated, _sampler_logprobs(sampled, starts, mask), groups[0].group_size,
+                    version_tokens(groups))
+
+
+def version_tokens(groups: list) -> Dict[int, int]:
+    """Completion tokens per policy version over the groups: from each sample's version spans
+    (version, start, end) where it has them, else all of its tokens at the group's version."""
+    counts: Dict[int, int] = {}
+    for g in groups:
+        spans = getattr(g, "version_spans", None) or [None] * g.group_size
+        for ids, sample_spans in zip(g.completion_ids, spans):
+            for version, start, end in sample_spans or [(g.policy_version, 0, len(ids))]:
+                counts[int(version)] = counts.get(int(version), 0) + int(end) - int(start)
+    return counts
 
 
 def model_tokens_only(mask: torch.Tensor, own, starts) -> torch.Tensor:
@@ -86,10 +103,21 @@ def _sampler_logprobs(sampled, starts, mask) -> Optional[torch.Tensor]:
 
 
 class MicroBatcher:
-    """Cuts a minibatch's rows into micro-batches of at most `budget` (padded) tokens; 0 keeps one."""
+    """Cuts a minibatch's rows into micro-batches of at most `budget` (padded) tokens; 0 keeps one.
+    With `pack`, each micro-batch's forward is one packed row (learner/packing.py) and the
+    budget counts real tokens, not padded ones."""
 
-    def __init__(self, budget: int, device):
-        self.budget, self.device = budget, device
+    def __init__(self, budget: int, device, pack: bool = False):
+        self.budget, self.device, self.pack = budget, device, pack
+
+    def logprobs(self, model, ids, attention, temperature: float, with_entropy: bool = False, targets=None,
+                 first=None):
+        """A micro-batch's per-token log-probs [n, T-1] (and entropy): learner/logprobs.py's
+        `token_logprobs`, or its packed equivalent."""
+        if self.pack:
+            return packed_token_logprobs(model, ids, attention, temperature, with_entropy, targets, first)
+        return token_logprobs(model, ids, attention, temperature, with_entropy=with_entropy, targets=targets,
+                              first=first)
 
     def split(self, rows: torch.Tensor, attention: torch.Tensor) -> List[torch.Tensor]:
         """The rows of each micro-batch (`plan` without what it knows of them)."""
@@ -112,16 +140,31 @@ class MicroBatcher:
             groups = [list(range(len(rows_list)))]
         else:
             groups = self._cut(sorted(range(len(rows_list)), key=lambda i: (lengths[i], rows_list[i])), lengths)
+        # Packed, every micro-batch's bins are as wide as the minibatch's longest row, the width
+        # its rows were binned at (`_cut_bins`); the forward reads it as the ids' width.
+        widest = max(lengths, default=0)
         return [Micro(torch.tensor([rows_list[i] for i in g], device=self.device) if self.budget > 0 else rows,
-                      max((lengths[i] for i in g), default=0),
+                      widest if self.pack else max((lengths[i] for i in g), default=0),
                       min((f for f in (firsts[i] for i in g) if f is not None), default=0),
                       sum(1 for i in g if firsts[i] is not None),
-                      sum(counts[i] for i in g))
+                      sum(counts[i] for i in g),
+                      sum(lengths[i] for i in g),
+                      packed_positions([lengths[i] for i in g], widest) if self.pack else 0)
                 for g in groups]
 
     def _cut(self, order: List[int], lengths: List[int]) -> List[List[int]]:
         """Positions in `order` (by length; ties by row index: the same cut on every run) cut
         within the budget, then split until every rank has as many micro-batches."""
+        micros = self._cut_bins(order, lengths) if self.pack else self._cut_sorted(order, lengths)
+        target = int(global_max(len(micros), self.device))
+        while len(micros) < target:  # split the largest micro-batch until every rank has as many
+            i = max(range(len(micros)), key=lambda k: len(micros[k]))
+            half = len(micros[i]) // 2
+            micros[i:i + 1] = [micros[i][:half], micros[i][half:]]
+        return micros
+
+    def _cut_sorted(self, order: List[int], lengths: List[int]) -> List[List[int]]:
+        """Padded: consecutive rows (sorted by length) while rows x longest row fits the budget."""
         micros: List[List[int]] = []
         current: List[int] = []
         longest = 0
@@ -132,12 +175,15 @@ class MicroBatcher:
             current.append(i)
             longest = max(longest, lengths[i])
         micros.append(current)
-        target = int(global_max(len(micros), self.device))
-        while len(micros) < target:  # split the largest micro-batch until every rank has as many
-            i = max(range(len(micros)), key=lambda k: len(micros[k]))
-            half = len(micros[i]) // 2
-            micros[i:i + 1] = [micros[i][:half], micros[i][half:]]
         return micros
+
+    def _cut_bins(self, order: List[int], lengths: List[int]) -> List[List[int]]:
+        """Packed: the minibatch's rows first fit into bins as wide as its longest row (short rows
+        fill long rows' bins; sorted, like lengths would share a micro-batch and leave the same
+        padding), whole bins to a micro-batch, as many as fit the budget."""
+        bins, width = pack_rows([lengths[i] for i in order])
+        per_micro = max(1, self.budget // max(width, 1)) if self.budget > 0 else len(bins)
+        return [[order[k] for b in bins[j:j + per_micro] for k in b] for j in range(0, len(bins), per_micro)]
 
     @torch.no_grad()
     def fixed_logprobs(self, model, ids, attention, targets, temperature: float, first_row: int = 0) -> torch.Tensor:
@@ -146,7 +192,7 @@ class MicroBatcher:
         token budget, not the batch. Rows before `first_row` are left at 0 (not needed), and so
         are the columns before a micro-batch's first target (`targets`: the mask of completion
         tokens; learner/logprobs.py)."""
-        return self.per_token(lambda i, a, t, first: token_logprobs(model, i, a, temperature, targets=t, first=first),
+        return self.per_token(lambda i, a, t, first: self.logprobs(model, i, a, temperature, targets=t, first=first),
                               ids, attention, first_row, targets)
 
     @torch.no_grad()
@@ -167,13 +213,17 @@ class MicroBatcher:
 
 class Micro(NamedTuple):
     """One micro-batch: its rows (on the device) and, read back once, its longest row, its
-    first target column (0 when none), how many of its rows have targets and how many targets."""
+    first target column (0 when none), how many of its rows have targets and how many targets,
+    and how many tokens its rows hold (the rest of rows x length is padding)."""
 
     rows: torch.Tensor
     length: int
     first_target: int
     rows_with_targets: int
     target_tokens: int
+    tokens: int = 0
+    packed_positions: int = 0
+    """With packing: the positions its packed bins hold (its tokens and the bins' unused tails)."""
 
 
 def _host_rows(rows: torch.Tensor, attention: torch.Tensor, targets: Optional[torch.Tensor]):

@@ -11,7 +11,7 @@ from common.config import AlgoConfig, LearnerConfig
 from common.errors import RunFailed
 from common.ray_utils import actor_index, death_cause, first_death, free_port, node_ip
 from learner.actor import LearnerRank
-from learner.metrics import combine_metrics
+from learner.metrics import combine_metrics, version_token_metrics
 from learner.peak_memory import allocator_env
 
 
@@ -104,7 +104,8 @@ class LearnerGroup:
         results = _get([r.train_step.remote(shard, temperature, lr) for r, shard in zip(self.ranks, shards)], "train_step")
         # Each rank's own peak of the step besides the largest (ranks differ: ZeRO's partitions, rank 0's sync).
         peaks = {f"learner_peak_memory_mb/rank{i}": r["learner_peak_memory_mb"] for i, r in enumerate(results)}
-        return {**combine_metrics(results), **peaks}
+        results, versions = version_token_metrics(results)
+        return {**combine_metrics(results), **peaks, **versions}
 
     def save_checkpoint(self, folder: str) -> None:
         """Every rank writes its part of the checkpoint (DeepSpeed saving is collective)."""

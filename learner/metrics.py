@@ -13,7 +13,9 @@ from typing import Dict, Sequence
 # alone in the last micro-batch, as much weight as all the others (the default job's entropy
 # read well above its token mean: bench/token_means.py).
 TOKEN_MEANS = ("kl", "clip_fraction", "ratio_mean", "entropy", "is_weight_mean", "is_capped_fraction",
-               "sampler_logprob_gap", "value_loss", "value_clip_fraction", "value_mean")
+               "sampler_logprob_gap", "value_loss", "value_clip_fraction", "value_mean",
+               "mismatch_k3", "mismatch_chi2", "masked_fraction_mis", "masked_fraction_icepop",
+               "masked_fraction_seq_mask")
 # The step's largest: the largest ratio, and the slowest and most memory-hungry rank (the one a
 # user sizes for).
 LARGEST = ("ratio_max", "learner_seconds", "learner_peak_memory_mb")
@@ -49,3 +51,27 @@ def combine_metrics(parts: Sequence[Dict[str, object]]) -> Dict[str, object]:
         else:
             out[key] = sum(values) / len(values)
     return out
+
+
+VERSION_TOKENS = "version_tokens/"
+
+
+def version_token_metrics(parts: Sequence[Dict[str, object]]):
+    """The ranks' `version_tokens/<v>` counts (tokens sampled by policy version v; each rank
+    has its own versions) taken out of their metrics and summed; returns (the parts without
+    them, the step's `tokens_version_lag/<k>`: the tokens sampled k versions before the newest
+    of the step, and `version_spread`: newest minus oldest)."""
+    totals: Dict[int, float] = {}
+    rest = []
+    for part in parts:
+        rest.append({k: v for k, v in part.items() if not k.startswith(VERSION_TOKENS)})
+        for key, value in part.items():
+            if key.startswith(VERSION_TOKENS):
+                version = int(key[len(VERSION_TOKENS):])
+                totals[version] = totals.get(version, 0.0) + float(value)
+    if not totals:
+        return rest, {}
+    newest = max(totals)
+    out = {f"tokens_version_lag/{newest - v}": n for v, n in sorted(totals.items(), reverse=True)}
+    out["version_spread"] = float(newest - min(totals))
+    return rest, out

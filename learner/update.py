@@ -16,10 +16,10 @@ from typing import Dict, List, Optional
 import torch
 
 from common.config import AlgoConfig
-from learner import grpo, ppo
+from learner import corrections, grpo, ppo
 from learner.batching import MicroBatcher, Rollouts
 from learner.collectives import global_std, global_sum
-from learner.logprobs import takes, token_logprobs
+from learner.logprobs import takes
 from learner.metrics import TOKEN_MEANS, combine_metrics
 
 
@@ -34,7 +34,7 @@ class Fixed:
     ref_logprobs: Optional[torch.Tensor] = None
     """pi_ref, for the loss's KL term (None: beta = 0, or PPO, whose KL is in the reward)."""
     is_weights: Optional[torch.Tensor] = None
-    """Truncated importance weights pi_old / pi_sampler (None: off)."""
+    """Per-token weights of algo.correction from pi_old / pi_sampler (learner/corrections.py; None: off)."""
     metrics: Dict[str, float] = field(default_factory=dict)
     first_minibatch_own: bool = False
     """The first minibatch of the first pass is trained before any optimizer step, so pi_old
@@ -58,10 +58,10 @@ class GroupUpdate:
         scale, eps = algo.adv_scale, algo.adv_eps
         # "batch" means the whole step's batch, across ranks, not this rank's share of it.
         A = grpo.compute_advantages(batch.rewards, batch.group_size, scale="none" if scale == "batch" else scale,
-                                    eps=eps, estimator=algo.adv_estimator)
+                                    eps=eps, estimator=algo.adv_estimator, std=algo.adv_std)
         if scale == "batch":
-            A = A / (global_std(batch.rewards) + eps)
-        use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
+            A = A / (global_std(batch.rewards, unbiased=algo.adv_std == "sample") + eps)
+        use_is = corrections.active(algo) and batch.sampler_logprobs is not None
         # Before the first optimizer step pi_old is the policy being differentiated: its
         # log-probs are the same numbers, detached (ratio = 1). So pi_old's forward runs over
         # the other minibatches only; the first minibatch's rows, and their importance weights,
@@ -73,10 +73,10 @@ class GroupUpdate:
         old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, batch.mask, temperature,
                                          first_row=own_rows)
         fixed = Fixed(A, old_logprobs=old, first_minibatch_own=True)
-        if use_is:  # pi_old / pi_sampler, truncated: the sampler's weights may be older
+        if use_is:  # pi_old / pi_sampler, corrected (algo.correction): the sampler's weights may be older
             fixed.is_weights = torch.ones_like(old)  # the first minibatch's rows: from its forward
-            fixed.is_weights[own_rows:] = grpo.is_weights(old[own_rows:], batch.sampler_logprobs[own_rows:],
-                                                          batch.mask[own_rows:], algo.is_cap)
+            fixed.is_weights[own_rows:] = corrections.weights(algo, old[own_rows:], batch.sampler_logprobs[own_rows:],
+                                                              batch.mask[own_rows:])
         return self._with_reference(fixed, reference, batch, temperature)
 
     def _with_reference(self, fixed: Fixed, reference, batch: Rollouts, temperature: float) -> Fixed:
@@ -103,8 +103,9 @@ class GroupUpdate:
                 metrics.update(self.after_policy_step(mb, batch, fixed))
                 metrics["grad_norm"] = float(policy.get_global_grad_norm() or 0.0)
                 step_metrics.append(metrics)
-        if fixed.first_minibatch_own and fixed.is_weights is not None:  # now that every row's pi_old is known
-            fixed.metrics = grpo.is_metrics(fixed.old_logprobs, batch.sampler_logprobs, batch.mask, self.algo.is_cap)
+        if fixed.first_minibatch_own and batch.sampler_logprobs is not None:  # now that every row's pi_old is known
+            fixed.metrics = corrections.mismatch_metrics(self.algo, fixed.old_logprobs, batch.sampler_logprobs,
+                                                         batch.mask)
         out = combine_metrics(step_metrics)
         out["loss_tokens"] = batch.mask.sum().double()  # once, however many passes
         out["advantage_abs_mean"] = fixed.advantages.abs().mean()
@@ -125,13 +126,17 @@ class GroupUpdate:
         weights = self._micro_weights(micros, exact=num_tokens is not None)
         tokens = sum(m.target_tokens for m in micros)
         metrics: Dict[str, object] = {}  # 0-dim tensors until the step ends
+        computed = 0  # token positions the forwards ran over, padding included
         for j, (micro, T) in enumerate(accumulating(policy, micros, batch)):
             loss, micro_metrics = self._micro_loss(policy, micro.rows, T, micro.first_target, batch, fixed,
                                                    temperature, num_tokens, own_old)
             policy.backward(loss * weights[j] if weights[j] != 1.0 else loss)
             _accumulate(metrics, micro_metrics, weights[j], micro.target_tokens / tokens if tokens else 1 / len(micros))
+            computed += micro.packed_positions if self.micro.pack else len(micro.rows) * T
         policy.step()
         metrics["micro_batches"] = float(len(micros))
+        # The share of the forwards' positions that is padding (long-tailed lengths raise it).
+        metrics["padded_fraction"] = 1.0 - sum(m.tokens for m in micros) / max(computed, 1)
         metrics["loss_tokens"] = float(tokens)  # the weight of this minibatch's token means
         return metrics
 
@@ -150,13 +155,13 @@ class GroupUpdate:
                     num_tokens, own_old: bool):
         algo = self.algo
         mask = batch.mask[micro, :T - 1]
-        logprobs, entropy = token_logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T], temperature,
-                                           with_entropy=True, targets=mask, first=first)
+        logprobs, entropy = self.micro.logprobs(policy, batch.ids[micro, :T], batch.attention[micro, :T],
+                                                temperature, with_entropy=True, targets=mask, first=first)
         if own_old and fixed.old_logprobs is not None:  # this minibatch's pi_old, for metrics and later passes
             fixed.old_logprobs[micro, :T - 1] = logprobs.detach()
             if fixed.is_weights is not None:
                 sampled = batch.sampler_logprobs[micro, :T - 1]
-                fixed.is_weights[micro, :T - 1] = grpo.is_weights(logprobs.detach(), sampled, mask, algo.is_cap)
+                fixed.is_weights[micro, :T - 1] = corrections.weights(algo, logprobs.detach(), sampled, mask)
         loss, metrics = grpo.policy_loss(
             logprobs,
             logprobs.detach() if own_old else fixed.old_logprobs[micro, :T - 1],
@@ -227,9 +232,10 @@ class CriticUpdate(GroupUpdate):
     def fix(self, policy, reference, batch: Rollouts, temperature: float) -> Fixed:
         algo = self.algo
         old = self.micro.fixed_logprobs(policy, batch.ids, batch.attention, batch.mask, temperature)
-        use_is = algo.is_cap > 0 and batch.sampler_logprobs is not None
-        is_weights, is_metrics = (grpo.truncated_is_weights(old, batch.sampler_logprobs, batch.mask, algo.is_cap)
-                                  if use_is else (None, {}))
+        sampled = batch.sampler_logprobs
+        is_weights = (corrections.weights(algo, old, sampled, batch.mask)
+                      if corrections.active(algo) and sampled is not None else None)
+        is_metrics = corrections.mismatch_metrics(algo, old, sampled, batch.mask) if sampled is not None else {}
         ref = (self.micro.fixed_logprobs(reference, batch.ids, batch.attention, batch.mask, temperature)
                if reference is not None else None)
         # Token-level advantages from the critic (GAE); the KL is in the reward, not the loss.

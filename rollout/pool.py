@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, List, Optional, Sequence, Type
 
 import ray
@@ -33,6 +33,10 @@ class RolloutPool:
                            max_restarts=-1, max_task_retries=0)(backend)
         self.cfg = rollout_cfg
         self._submitting = threading.RLock()  # held by `between_calls` (a weight push)
+        self.pause_stream = None
+        """Set by a streaming batch source (cluster/loop/streaming.py) without partial rollouts:
+        a context manager in which its engines carry no running request (a push then waits for
+        them to finish, and no new one starts until the push is done)."""
         self.recover = None
         """Set by the driver to the weight-sync channel's `recover` (re-joins a restarted worker
         and pushes the current weights to it); None: a dead worker's error is raised."""
@@ -72,6 +76,20 @@ class RolloutPool:
                         on_failure=self._restarted if self.recover else None, on_done=on_chunk,
                         role="generation worker")
 
+    def advance(self, index: int, requests: Sequence[GenerationRequest], tickets: Sequence[int], n: int,
+                return_after: int):
+        """Streaming: worker `index` takes `requests` beside those it carries and runs a short
+        call; an iterator of refs: each group that finished during it, then its StreamReport
+        (the refs are owned by the caller: a worker that dies later loses nothing it returned)."""
+        with self._submitting:
+            return self.workers[index].advance.options(num_returns="streaming").remote(
+                *requests, tickets=list(tickets), n=n, max_steps=self.cfg.stream_steps, return_after=return_after)
+
+    def abort_stream(self) -> None:
+        """Every worker drops the streaming requests it carries (a dead worker carries none)."""
+        calls = [w.abort_stream.remote() for w in self.workers]
+        ray.wait(calls, num_returns=len(calls))
+
     def _restarted(self, index: int) -> None:
         """Wait for worker `index` to come back, then give it the current weights; it must then
         hold the channel's version before it generates again."""
@@ -88,10 +106,11 @@ class RolloutPool:
         in the middle of a chunk, and a receive queued behind it would spend the sync group's
         timeout waiting for it (on NCCL the watchdog then takes the learner down). Calls the
         block submits (the receives) queue before any later generation call."""
-        with self._submitting:
-            idle = [w.ready.remote() for w in self.workers]
-            ray.wait(idle, num_returns=len(idle))  # a dead worker's error is the push's to handle
-            yield
+        with self.pause_stream() if self.pause_stream is not None else nullcontext():
+            with self._submitting:
+                idle = [w.ready.remote() for w in self.workers]
+                ray.wait(idle, num_returns=len(idle))  # a dead worker's error is the push's to handle
+                yield
 
     def sync_members(self) -> list:
         """The workers in the weight-sync group, in order: worker i's tensor-parallel ranks are

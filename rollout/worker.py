@@ -7,6 +7,7 @@ The payloads go from worker to learner without the driver ever fetching them.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -49,15 +50,28 @@ def exits_if_engine_died(method):
     """The actor process exits when its engine died during `method`: Ray then restarts it with
     a fresh engine (max_restarts) and the pool re-syncs it, where an actor left alive with a
     dead engine would fail every call and never be restarted."""
+    def exit_if_dead(error: BaseException) -> None:
+        if engine_died(error):
+            print(f"the vLLM engine died ({type(error).__name__}): exiting so that Ray restarts this actor",
+                  file=sys.stderr, flush=True)
+            os._exit(EXIT_ENGINE_DEAD)
+
+    if inspect.isgeneratorfunction(method):  # a streaming call: its errors come while it yields
+        @functools.wraps(method)
+        def streaming(self, *args, **kwargs):
+            try:
+                yield from method(self, *args, **kwargs)
+            except Exception as error:
+                exit_if_dead(error)
+                raise
+        return streaming
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
         except Exception as error:
-            if engine_died(error):
-                print(f"the vLLM engine died ({type(error).__name__}): exiting so that Ray restarts this actor",
-                      file=sys.stderr, flush=True)
-                os._exit(EXIT_ENGINE_DEAD)
+            exit_if_dead(error)
             raise
     return wrapper
 
@@ -120,7 +134,7 @@ class GenerationWorker:
         # it dies, before the agents' and tools' processes, which watch it themselves, start.
         self._reaper = start_reaper()
         self.engine = VllmStepEngine(self.llm)  # what the multi-turn loops step
-        self.policy_version = 0
+        self._track_engine()
         self.lora_request = None  # the adapter version served on the base, once one was pushed
         self._lora_pushes = 0
         # Training samples' texts are decoded here, once, when vLLM need not (rollout/texts.py).
@@ -194,11 +208,49 @@ class GenerationWorker:
             # Log-probs of the distribution actually sampled from (after temperature, top-k,
             # top-p): the behaviour policy of the importance weights in the loss.
             logprobs_mode="processed_logprobs",
+            # Partial rollouts load weights while requests run, when reset_prefix_cache() cannot
+            # drop the cached prefixes: a new request would reuse the old weights' prompt KV.
+            **({"enable_prefix_caching": False} if rollout_cfg.partial else {}),
             **lora_options(rollout_cfg.max_lora_rank),
         )
 
+    def _track_engine(self) -> None:
+        """The weights' version (0 until the first push; the engine labels each sampled span
+        with it), the streaming requests carried between calls, and a count of every step of
+        the engine and the seconds inside them, whoever steps it (`LLM.generate`, the multi-turn
+        loops, the streaming calls): slot occupancy is tokens sampled / (steps x max_num_seqs),
+        generation throughput tokens / seconds in steps."""
+        import time
+
+        self.policy_version = 0
+        self.llm.llm_engine.set_weight_version("0")
+        self.stream = StreamState()
+        engine, step = self.llm.llm_engine, self.llm.llm_engine.step
+        self.engine_clock = {"engine_steps": 0.0, "time_engine": 0.0}
+        self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+
+        def counted_step():
+            started = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.engine_clock["engine_steps"] += 1
+                self.engine_clock["time_engine"] += time.perf_counter() - started
+
+        engine.step = counted_step
+
+    def _clock_since(self, before: Dict[str, float]) -> Dict[str, float]:
+        """Engine steps, their seconds and slots (steps x max_num_seqs) since `before`."""
+        steps = self.engine_clock["engine_steps"] - before["engine_steps"]
+        return {"engine_steps": steps, "time_engine": self.engine_clock["time_engine"] - before["time_engine"],
+                "engine_slots": steps * self.max_num_seqs}
+
     def ready(self) -> int:
         return self.policy_version
+
+    def batch_slots(self) -> int:
+        """Sequences one engine step runs at most (vLLM's max_num_seqs)."""
+        return self.max_num_seqs
 
     def sync_ranks(self) -> int:
         return self.cfg.tensor_parallel_size
@@ -249,30 +301,121 @@ class GenerationWorker:
             report.stats["engine_steps"] = float(self.engine.steps - steps)
             return (*groups, report)
         rust = self._rust_tokenizer
+        clock = dict(self.engine_clock)
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
-        outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False,
-                                    lora_request=self.lora_request)
-        groups: List[PromptGroup] = []
-        for request, out, sp in zip(requests, outputs, params):
-            groups.append(PromptGroup(
-                index=request.index,
-                prompt=request.prompt,
-                answer=request.answer,
-                fields=dict(request.fields),
-                prompt_ids=list(out.prompt_token_ids),
-                completions=[c.text if sp.detokenize else texts.completion_text(
-                    rust, out.prompt_token_ids, c.token_ids, c.finish_reason == "stop", sp.include_stop_str_in_output,
-                    sp.skip_special_tokens) for c in out.outputs],
-                completion_ids=[list(c.token_ids) for c in out.outputs],
-                finish_reasons=[c.finish_reason or "length" for c in out.outputs],
-                policy_version=version,
-                sampler_logprobs=None if greedy else [_sampled_logprobs(c) for c in out.outputs],
-            ))
+        if self.stream.pending:
+            # Streaming requests live in this engine between calls: LLM.generate would drain
+            # (and swallow) them, so these requests are stepped beside them instead.
+            outputs = self._generate_beside_stream(requests, params)
+        else:
+            outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False,
+                                        lora_request=self.lora_request)
+        groups = [self._group(request, out, sp, greedy, version) for request, out, sp in zip(requests, outputs, params)]
         stats = {
             "completions": float(sum(g.group_size for g in groups)),
             "completion_tokens": float(sum(len(ids) for g in groups for ids in g.completion_ids)),
+            **self._clock_since(clock),
         }
         return (*groups, ChunkReport(stats, versions=(version,) * len(groups)))
+
+    def _group(self, request: GenerationRequest, out, sp, greedy: bool, version: int,
+               spans: Optional[List[List[Tuple[int, int, int]]]] = None) -> PromptGroup:
+        """The PromptGroup of one finished vLLM RequestOutput."""
+        rust = self._rust_tokenizer
+        return PromptGroup(
+            index=request.index,
+            prompt=request.prompt,
+            answer=request.answer,
+            fields=dict(request.fields),
+            prompt_ids=list(out.prompt_token_ids),
+            completions=[c.text if sp.detokenize else texts.completion_text(
+                rust, out.prompt_token_ids, c.token_ids, c.finish_reason == "stop", sp.include_stop_str_in_output,
+                sp.skip_special_tokens) for c in out.outputs],
+            completion_ids=[list(c.token_ids) for c in out.outputs],
+            finish_reasons=[c.finish_reason or "length" for c in out.outputs],
+            policy_version=version,
+            sampler_logprobs=None if greedy else [_sampled_logprobs(c) for c in out.outputs],
+            version_spans=spans,
+        )
+
+    def _add(self, request_id: str, prompt: str, params) -> None:
+        self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.lora_request)
+
+    def _step_stream(self) -> List[Any]:
+        """One engine step; finished streaming requests are kept for the next `advance`, the
+        other finished outputs are returned."""
+        others = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            if out.request_id in self.stream.pending:
+                self.stream.finished.append(out)
+            else:
+                others.append(out)
+        return others
+
+    def _generate_beside_stream(self, requests: Sequence[GenerationRequest], params) -> List[Any]:
+        """`LLM.generate`'s outputs, stepped beside the streaming requests the engine holds."""
+        ids = [f"call-{next(self.stream.numbers)}" for _ in requests]
+        for request_id, request, sp in zip(ids, requests, params):
+            self._add(request_id, request.prompt, sp)
+        done: Dict[str, Any] = {}
+        while len(done) < len(ids):
+            done.update((out.request_id, out) for out in self._step_stream())
+        return [done[i] for i in ids]
+
+    @exits_if_engine_died
+    def advance(self, *requests: GenerationRequest, tickets: Sequence[int], n: int, max_steps: int,
+                return_after: int = 1):
+        """Streaming (rollout.streaming): add `requests` (the driver's `tickets` name them) to
+        the requests this engine carries, run at most `max_steps` engine steps, and yield each
+        group that finished, then one StreamReport. Requests still running stay in the engine
+        for the next call; a weight push between two calls reaches them mid-sample
+        (rollout.partial), and each sample records the versions of its spans."""
+        from common.messages import StreamReport
+
+        stream = self.stream
+        seeds = [r.seed for r in requests] if self.seeded else [None] * len(requests)
+        clock = dict(self.engine_clock)
+        for ticket, request, seed in zip(tickets, requests, seeds):
+            params = self.sampling_params(n, False, seed, detokenize=self._rust_tokenizer is None)
+            request_id = f"stream-{next(stream.numbers)}"
+            stream.pending[request_id] = (ticket, request, params)
+            self._add(request_id, request.prompt, params)
+        steps = 0
+        while stream.pending and len(stream.finished) < return_after and steps < max_steps:
+            self._step_stream()
+            steps += 1
+        done_tickets, versions, newest, lengths, version_tokens = [], [], [], [], []
+        while stream.finished:
+            out = stream.finished.pop(0)
+            ticket, request, params = stream.pending.pop(out.request_id)
+            spans = [version_spans(c, self.policy_version) for c in out.outputs]
+            oldest = min(v for sample in spans for v, _, _ in sample) if any(spans) else self.policy_version
+            yield self._group(request, out, params, False, oldest, spans)
+            done_tickets.append(ticket)
+            versions.append(oldest)
+            newest.append(max((v for sample in spans for v, _, _ in sample), default=oldest))
+            lengths.append(tuple(len(c.token_ids) for c in out.outputs))
+            counts: Dict[int, int] = {}
+            for sample in spans:
+                for v, start, end in sample:
+                    counts[v] = counts.get(v, 0) + end - start
+            version_tokens.append(tuple(sorted(counts.items())))
+        stats = {"completions": float(sum(len(x) for x in lengths)),
+                 "completion_tokens": float(sum(sum(x) for x in lengths)), **self._clock_since(clock)}
+        yield StreamReport(tickets=tuple(done_tickets), versions=tuple(versions), newest=tuple(newest),
+                           lengths=tuple(lengths), version_tokens=tuple(version_tokens), stats=stats,
+                           running=len(stream.pending))
+
+    def abort_stream(self) -> int:
+        """Drop every streaming request this engine carries (the driver's stream stopped);
+        returns how many there were."""
+        ids = list(self.stream.pending)
+        if ids:
+            self.llm.llm_engine.abort_request(ids)
+        self.stream = StreamState()
+        return len(ids)
 
     def _agent_episodes(self, *args) -> Tuple[Any, ...]:
         from rollout.agent_episodes import run_agents
@@ -361,8 +504,12 @@ class GenerationWorker:
         else:
             self.lora_request = None
         # Cached prefixes were computed by the old weights: drop them or they leak into new samples.
+        # (With requests running it does nothing; rollout.partial starts its engines without a
+        # prefix cache.) Requests that run on keep their KV cache, computed by older weights:
+        # each later token records the new version, and its own sampler log-prob.
         self.llm.reset_prefix_cache()
         self.policy_version = version
+        self.llm.llm_engine.set_weight_version(str(version))
         return {"policy_version": version, **timings}
 
     def _adapter_dir(self, number: int) -> str:
@@ -390,9 +537,14 @@ def lora_options(max_rank: int) -> dict:
 
 
 def sampling_is_seeded(setting, on_gpu: bool) -> bool:
-    """rollout.seeded_sampling resolved: `auto` seeds each prompt on CPU engines only (on GPUs
-    vLLM samples seeded requests one at a time)."""
-    return not on_gpu if setting == "auto" else bool(setting)
+    """rollout.seeded_sampling resolved. `auto` seeds each prompt, on GPUs too, unless vLLM is
+    told to run its V1 model runner there (VLLM_USE_V2_MODEL_RUNNER=0): vLLM 0.32 runs Model
+    Runner V2 on GPUs, whose sampler hashes a seed per request with each token's position (its
+    Gumbel sampling) and gives an unseeded request a seed from numpy's global RNG, so an explicit seed costs only FlashInfer's fused top-k/top-p path, already off
+    when processed log-probs are returned; V1 draws seeded requests one at a time."""
+    if setting != "auto":
+        return bool(setting)
+    return not on_gpu or os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() not in ("0", "false")
 
 
 def cpu_thread_binding(cpus: Sequence[int], ranks: int) -> str:
@@ -407,6 +559,25 @@ def cpu_thread_binding(cpus: Sequence[int], ranks: int) -> str:
         parts.append(",".join(map(str, cpus[start:start + size])))
         start += size
     return "|".join(parts)
+
+
+class StreamState:
+    """The streaming requests an engine carries between `advance` calls."""
+    def __init__(self) -> None:
+        import itertools
+
+        self.pending: Dict[str, Tuple[int, GenerationRequest, Any]] = {}  # request id -> (ticket, request, params)
+        self.finished: List[Any] = []  # finished RequestOutputs not yet returned
+        self.numbers = itertools.count()
+
+
+def version_spans(completion, default: int) -> List[Tuple[int, int, int]]:
+    """(version, start, end) of each span of a completion's tokens sampled by one weight
+    version (vLLM's CompletionOutput.weight_versions); one span of `default` when vLLM has none."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans:
+        return [(default, 0, len(completion.token_ids))]
+    return [(int(s.version), s.start, s.end) for s in spans]
 
 
 def _sampled_logprobs(completion) -> List[float]:

@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The modules that use the session's actors (`roles`): one work unit under `--dist loadfile`.
-SHARES_ROLES = ("tests/integration/test_system.py", "tests/integration/test_weight_sync.py")
+SHARES_ROLES = ("tests/integration/test_system.py", "tests/integration/test_weight_sync.py",
+                "tests/integration/test_streaming.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -101,6 +101,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
     totals: Dict[str, float] = {}
     restarts: List[RestartEvent] = []
     gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
+                                    "time_engine": 0.0, "engine_slots": 0.0,
                                     **{key: 0.0 for key in TOOL_STATS},
                                     **({key: 0.0 for key in AGENT_STATS} if cfg.rollout.agent is not None else {})}
     for round_ in range(rounds):
@@ -123,7 +124,8 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
         spare += [r for r in rows if not r.informative]
         if len(kept) >= size:
             break
-    metrics = {**{k: v for k, v in gen_totals.items() if k not in TOOL_STATS}, **episode_metrics(gen_totals)}
+    metrics = {**{k: v for k, v in gen_totals.items() if k not in TOOL_STATS + ENGINE_STATS},
+               **episode_metrics(gen_totals), **engine_metrics(gen_totals)}
     if cfg.algo.dynamic_sampling and items is None:
         filled = max(size - len(kept), 0)
         metrics.update({"dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
@@ -135,6 +137,21 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
 
 TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_wait_seconds",
               "observation_tokens", "engine_steps")
+
+
+ENGINE_STATS = ("time_engine", "engine_slots")
+
+
+def engine_metrics(totals: Dict[str, float]) -> Dict[str, float]:
+    """The engines' steps and seconds inside them, their slot occupancy (tokens sampled /
+    (steps x max_num_seqs)) and tokens sampled per second inside steps (summed over engines);
+    the last two only when the engines stepped (a streamed step made while the one before it
+    trained has no steps of its own)."""
+    out = {"engine_steps": totals.get("engine_steps", 0.0), "time_engine": totals.get("time_engine", 0.0)}
+    if totals.get("engine_slots") and totals.get("time_engine"):
+        out["slot_occupancy"] = totals.get("completion_tokens", 0.0) / totals["engine_slots"]
+        out["tokens_per_s_engine"] = totals.get("completion_tokens", 0.0) / totals["time_engine"]
+    return out
 
 
 AGENT_STATS = ("agent_errors", "agent_timeouts", "template_drift", "off_chain_calls", "agent_requests",

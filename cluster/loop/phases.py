@@ -13,6 +13,7 @@ from cluster.loop.batches import AHEAD_FILE, AsyncBatches, SyncBatches, Timer, d
 from cluster.loop.checkpoint import latest_checkpoint, load_trainer_state, restore_driver_rng, skipped_line
 from cluster.loop.launch import say
 from cluster.loop.roles import Roles, evaluate
+from cluster.loop.streaming import StreamingBatches
 from cluster.loop.samples import sample_ids
 from common.config import Config
 from common.messages import RestartEvent, StepRecord, TrainerState
@@ -59,6 +60,7 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
     with timer("time_wait_rollout"):
         batch = batches.next(step)
         staleness = drop_stale(batch, version, cfg.algo.max_staleness, step, roles, batches.sampler, cfg)
+        staleness["dropped_stale"] += batch.metrics.pop("dropped_stale", 0.0)  # streaming drops its own
     buffer.put(batch.refs, version)
     occupancy = {"buffer_groups": float(len(buffer)), "batches_ahead": float(batches.ahead)}
     samples = sample_ids(step, batch.items, batch.versions, cfg.algo.group_size)
@@ -96,6 +98,9 @@ def grpo_step(step: int, version: int, roles: Roles, batches, buffer, cfg: Confi
 
 def make_batches(cfg: Config, roles: Roles, sampler, first_step: int, ready: Optional[List[tuple]] = None):
     """The batch source; `ready`: batches a checkpoint saved as made ahead (async mode)."""
+    if cfg.trainer.mode == "async" and cfg.rollout.streaming:
+        return StreamingBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead,
+                                ready)
     if cfg.trainer.mode == "async":
         return AsyncBatches(roles, sampler, cfg, first_step, cfg.trainer.max_steps, cfg.trainer.async_lookahead,
                             ready)

@@ -106,6 +106,35 @@ def test_digit_bounds_respected(lo, hi):
     assert arithmetic_problems(1, 30, 300, lo, hi) == (heldout, train)
 
 
+def test_geometric_digit_counts_have_a_long_tail():
+    """data.digit_distribution=geometric: the longer operand's digit count d falls by digit_decay
+    per digit; the other has min..d digits; every problem distinct, the draw reproducible."""
+    from data.datasets import digit_count_weights
+
+    weights = digit_count_weights(2, 16, "geometric", 0.7)
+    assert sum(weights) == pytest.approx(1.0)
+    assert weights[1] / weights[0] == pytest.approx(0.7) and weights[-1] / weights[-2] == pytest.approx(0.7)
+    assert digit_count_weights(2, 5) == pytest.approx([0.25] * 4)
+    heldout, train = arithmetic_problems(3, 200, 5000, 2, 16, "add", "geometric", 0.7)
+    pairs = [tuple(p.prompt[:-1].split("+")) for p in heldout + train]
+    assert len(set(pairs)) == len(pairs) == 5200
+    longer = [max(len(a), len(b)) for a, b in pairs]
+    assert all(2 <= min(len(a), len(b)) <= d <= 16 for (a, b), d in zip(pairs, longer))
+    counts = [longer.count(d) / len(longer) for d in range(2, 17)]
+    # Each share within 4 standard errors of its weight (binomial, n = 5200).
+    for share, weight in zip(counts, weights):
+        assert abs(share - weight) <= 4 * (weight * (1 - weight) / len(longer)) ** 0.5 + 1e-9
+    assert sorted(longer)[len(longer) // 2] <= 4 and max(longer) >= 14  # most short, a few long
+    assert arithmetic_problems(3, 200, 5000, 2, 16, "add", "geometric", 0.7) == (heldout, train)
+
+
+def test_geometric_draw_that_would_exhaust_a_digit_count_is_refused():
+    with pytest.raises(DataError, match="more than half of the 8100"):
+        arithmetic_problems(0, 200, 20000, 2, 16, "add", "geometric", 0.5)
+    with pytest.raises(DataError, match="data.digit_decay"):
+        arithmetic_problems(0, 200, 1000, 2, 16, "add", "geometric", 1.0)
+
+
 def test_arithmetic_bad_arguments():
     with pytest.raises(DataError):
         arithmetic_problems(0, 10, 10, 3, 2)

@@ -13,7 +13,9 @@ SINGLE_TURN = {"reward_mean": 0.5, "score/math": 0.4, "score/format": 0.1, "accu
                "time_train": 1.3, "time_weight_sync": 0.05, "tokens_per_s": 3000.0,
                "generate_tokens_per_s": 7000.0, "sync_gbps": 0.3, "buffer_groups": 0, "batches_ahead": 0,
                "staleness_max": 0, "dropped_stale": 0, "actor_restarts": 0, "reward_timeouts": 0,
-               "reward_errors": 0}
+               "reward_errors": 0, "sampler_logprob_gap": 0.01, "mismatch_k3": 1e-4, "mismatch_chi2": 2e-4,
+               "masked_fraction_mis": 0.0, "masked_fraction_icepop": 0.0, "masked_fraction_seq_mask": 0.1,
+               "is_capped_fraction": 0.0, "tokens_version_lag/0": 9000.0, "padded_fraction": 0.2}
 TOOLS = {"turns_mean": 2.0, "tool_calls_mean": 1.0, "observation_token_fraction": 0.2, "tool_errors": 0.0,
          "tool_timeouts": 0.0, "time_tools": 0.1, "time_tools_blocking": 0.0}
 TOOL_PANELS = {"tool use per episode", "tool failures and time (s)"}
@@ -55,7 +57,7 @@ def test_the_figure_has_a_row_of_panels_per_four_that_have_data(tmp_path):
         run_dir.mkdir()
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         sizes[name] = _png_size(write_report(run_dir, 0.6, 0.9))
-    # 14 panels (4 rows) without tools, 16 (4 rows) with them, 3 in one row, at 300 px a row; a
+    # 18 panels (5 rows) without tools, 20 (5 rows) with them, 3 in one row, at 300 px a row; a
     # log without steps still gets a figure (the held-out accuracy before and after) rather than an error
-    assert sizes["plain"] == sizes["tools"] == (1800, 1200)
+    assert sizes["plain"] == sizes["tools"] == (1800, 1500)
     assert sizes["few"] == sizes["empty"] == (1800, 300)

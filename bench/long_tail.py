@@ -1,0 +1,205 @@
+"""Long answers at full speed: sync, async, streaming and streaming + partial rollouts on the
+long-tailed task (`data=long_tail`), after the bound this host allows.
+
+    .venv/bin/python bench/long_tail.py [--rounds 3] [--steps 10] [--output-dir runs/bench] [overrides...]
+
+First the bound: one vLLM engine of the built-in model (as a generation worker runs it), 512
+requests whose lengths are forced (min_tokens = max_tokens, EOS ignored) to the task's own
+answer lengths (its reference scratchpads, tokenized, plus the end token), all in one call,
+against the same number of tokens with every request at the mean length: their time ratio is
+what a chunk that waits for its longest sample costs here. Then `grpo train data=long_tail`,
+same seed and steps, in each mode, the order alternating each round (at most three rounds).
+
+From each run's metrics.jsonl (steps after the first: the first of the async modes has nothing
+made ahead) and summary.json: completion tokens per second end to end (tokens / step time),
+generation throughput (tokens sampled per second spent inside engine steps, `time_engine`), the
+engines' slot occupancy (tokens / (engine steps x max_num_seqs)), step time by phase, tokens per
+policy version lag, and held-out accuracy after the run. Targets (issue 50): streaming + partial's
+generation throughput at least sync's x (1 + 0.75 x (bound - 1)); the end-to-end bound from the
+phase times is sync's step time over max(generate / bound, train + sync). Writes
+bench/results/long_tail.json (bench/results_io.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GRPO = str(Path(sys.executable).parent / "grpo")
+MODES = {
+    "sync": ["trainer.mode=sync"],
+    "async": ["trainer.mode=async"],
+    "streaming": ["trainer.mode=async", "rollout.streaming=true"],
+    "streaming_partial": ["trainer.mode=async", "rollout.streaming=true", "rollout.partial=true"],
+}
+PHASES = ("time_step", "time_wait_rollout", "time_generate", "time_reward", "time_train", "time_weight_sync")
+
+
+def task_lengths(n: int, overrides) -> list:
+    """Token lengths of n reference answers of the long-tailed task (+1: the end token), and
+    the built-in model's folder."""
+    from cluster.cli.checks import resolve_model
+    from cluster.cli.compose import load_config
+    from data.datasets import load_problems
+    from transformers import AutoTokenizer
+
+    cfg = load_config(["data=long_tail", *overrides])
+    model = resolve_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    train = load_problems(cfg.data, cfg.trainer.seed).train
+    lengths = [len(tokenizer(p.solution)["input_ids"]) + 1 for p in train[:n]]
+    return lengths, model, [p.prompt for p in train[:n]], cfg
+
+
+def bound(repeats: int, overrides) -> dict:
+    """The tail's cost on one engine: forced task lengths in one call against their mean."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    lengths, model, prompts, cfg = task_lengths(512, overrides)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=cfg.rollout.max_model_len,
+              kv_cache_memory_bytes=int(cfg.rollout.kv_cache_gib * 2**30), enable_chunked_prefill=False,
+              max_num_batched_tokens=max(cfg.rollout.max_model_len, 8192), seed=0)
+    mean = round(sum(lengths) / len(lengths))
+
+    def timed(per_request) -> float:
+        params = [SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=1.0, seed=i)
+                  for i, k in enumerate(per_request)]
+        started = time.perf_counter()
+        llm.generate(prompts[:len(params)], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    timed([mean] * 32)  # warm the engine
+    tail, flat = [], []
+    for _ in range(repeats):
+        tail.append(timed(lengths))
+        flat.append(timed([mean] * len(lengths)))
+    ordered = sorted(lengths)
+    return {"requests": len(lengths), "median": statistics.median(lengths), "p90": ordered[int(0.9 * len(ordered))],
+            "max": ordered[-1], "mean": mean, "tail_seconds": tail, "mean_seconds": flat,
+            "bound": statistics.median(tail) / statistics.median(flat)}
+
+
+def summarize(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steady = rows[1:] or rows
+
+    def total(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in steady)
+
+    lags = {}
+    for row in steady:
+        for key, value in row.items():
+            if key.startswith("tokens_lag_"):
+                lags[key] = lags.get(key, 0.0) + value
+    tokens = total("completion_tokens")
+    # Over the whole run: a streamed step's engine time is what the engines did while the step
+    # before it trained, not the steps of its own groups.
+    generated = sum(r.get("completion_tokens", 0.0) for r in rows)
+    return {
+        "steps": len(rows), "completion_tokens": tokens,
+        "tokens_per_s": tokens / max(total("time_step"), 1e-9),
+        "generation_tokens_per_s": generated / max(sum(r.get("time_engine", 0.0) for r in rows), 1e-9),
+        "slot_occupancy": statistics.mean([r["slot_occupancy"] for r in rows if "slot_occupancy" in r] or [0.0]),
+        **{phase: total(phase) / len(steady) for phase in PHASES},
+        "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in steady),
+        # The sampler/trainer mismatch: what a sample that spans a push (KV kept) adds to the rest.
+        **{key: statistics.mean(r[key] for r in steady) for key in ("sampler_logprob_gap", "mismatch_k3",
+                                                                     "multi_version_groups") if key in steady[0]},
+        "dropped_stale": sum(r.get("dropped_stale", 0.0) for r in rows),
+        "tokens_by_lag": lags,
+        "heldout_before": summary["heldout_accuracy_before"], "heldout_after": summary["heldout_accuracy_after"],
+        "heldout_size": summary["heldout_size"], "minutes": summary["wall_minutes"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the four modes (order alternating), 1-3")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--bound-repeats", type=int, default=2)
+    parser.add_argument("--output-dir", default="runs/bench")
+    parser.add_argument("--output", default=None, help="the JSON result (default bench/results/long_tail.json)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if not 1 <= args.rounds <= 3:
+        parser.error("--rounds must be 1, 2 or 3")
+    from bench import results_io
+
+    result = results_io.Result("long_tail")
+    # A run cut short (a time limit's SIGTERM) still writes what it measured, marked incomplete.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    probe, runs = None, {mode: [] for mode in MODES}
+    try:
+        probe = bound(args.bound_repeats, args.overrides)
+        measure(args, result, probe, runs)
+    except BaseException:
+        result.write({"complete": False, "bound": probe and probe["bound"]},
+                     path=Path(args.output) if args.output else None, bound_probe=probe)
+        raise
+
+
+def measure(args, result, probe: dict, runs: dict) -> None:
+    """The four modes in alternating order, then the summary and the result file."""
+    from bench import results_io
+
+    print(f"bound on this host: {probe['bound']:.2f}x (forced task lengths, median {probe['median']}, p90 "
+          f"{probe['p90']}, max {probe['max']}, in one call, against the same tokens at the mean {probe['mean']})",
+          flush=True)
+    stamp, order = time.strftime("%Y%m%d-%H%M%S"), list(MODES)
+    for round_ in range(args.rounds):
+        for mode in (order if round_ % 2 == 0 else order[::-1]):
+            name = f"long-tail-{mode}-{stamp}-{round_}"
+            subprocess.run([GRPO, "train", "data=long_tail", *MODES[mode], f"trainer.run_name={name}",
+                            f"trainer.max_steps={args.steps}", f"trainer.output_dir={args.output_dir}",
+                            "trainer.progress=false", "trainer.save_every=0", "trainer.eval_every=0",
+                            # Two steps ahead: the next step's prompts fill the engines while this
+                            # one's tail finishes (streaming); the same budget for today's async.
+                            "trainer.async_lookahead=2", "algo.max_staleness=2", *args.overrides], check=True)
+            figures = summarize(Path(args.output_dir) / name)
+            runs[mode].append(figures)
+            result.add_run({"round": round_, "mode": mode, **figures})
+            print(f"round {round_ + 1} {mode}: {figures['tokens_per_s']:.0f} tokens/s end to end, "
+                  f"{figures['generation_tokens_per_s']:.0f} in engine steps, occupancy {figures['slot_occupancy']:.2f}, "
+                  f"step {figures['time_step']:.2f} s, held-out {figures['heldout_after']:.1%}", flush=True)
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    sync_gen = median("sync", "generation_tokens_per_s")
+    target = sync_gen * (1 + 0.75 * (probe["bound"] - 1))
+    # End to end: generation at most `bound` times faster and overlapped with the learner's side.
+    learner_s = median("sync", "time_train") + median("sync", "time_weight_sync")
+    e2e_bound = median("sync", "time_step") / max(median("sync", "time_generate") / probe["bound"], learner_s)
+    summary = {
+        "complete": True,
+        "bound": probe["bound"],
+        "generation_target_tokens_per_s": target,
+        "generation_target_met": median("streaming_partial", "generation_tokens_per_s") >= target,
+        "end_to_end_bound": e2e_bound,
+        **{f"{mode}_{key}": results_io.spread(r[key] for r in runs[mode]) for mode in MODES
+           for key in ("tokens_per_s", "generation_tokens_per_s", "slot_occupancy", "time_step", "heldout_after",
+                       "sampler_logprob_gap") if all(key in r for r in runs[mode])},
+    }
+    for mode in MODES:
+        print(f"{mode}: generation {median(mode, 'generation_tokens_per_s'):.0f} tokens/s "
+              f"({median(mode, 'generation_tokens_per_s') / sync_gen:.2f}x sync), end to end "
+              f"{median(mode, 'tokens_per_s'):.0f} tokens/s ({median(mode, 'tokens_per_s') / median('sync', 'tokens_per_s'):.2f}x)")
+    print(f"target for streaming + partial: {target:.0f} tokens/s in engine steps "
+          f"({'met' if summary['generation_target_met'] else 'not met'}); end-to-end bound from sync's phases "
+          f"{e2e_bound:.2f}x")
+    result.write(summary, path=Path(args.output) if args.output else None, bound_probe=probe)
+
+
+if __name__ == "__main__":
+    main()
