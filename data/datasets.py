@@ -17,7 +17,9 @@ import re
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from common.answers import extract_answer
-from common.errors import BadInput
+from common.config import DIGIT_DISTRIBUTIONS
+from data.errors import DataError  # defined beside this module, so that the other sources share it
+from data.scratchpads import solve_addition  # shared with data/reasoning_gym.py
 from common.problem import Problem
 from common.seeds import epoch_seed
 
@@ -48,39 +50,12 @@ class Splits(NamedTuple):
     train: List[Problem]
 
 
-class DataError(BadInput):
-    """Bad or missing data; the message is one line naming the file/line/field."""
-
-
 def _one_line(text: Any) -> str:
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
     return " ".join(lines)
 
 
 # --------------------------------------------------------------------------- arithmetic
-
-
-def solve_addition(a: int, b: int) -> str:
-    """R1-layout completion of `a+b=` with a scratchpad of per-digit sums.
-
-    From the least significant digit, each entry is `x+y+carry=sum`; the shorter operand is
-    padded with 0 digits, so 5-digit operands give 5 entries:
-    `solve_addition(47, 85) == "<think>7+5+0=12,4+8+1=13</think><answer>132</answer>"`.
-    """
-    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, int) or not isinstance(b, int):
-        raise TypeError(f"solve_addition takes two ints (got {a!r}, {b!r})")
-    if a < 0 or b < 0:
-        raise ValueError(f"solve_addition takes non-negative operands (got {a}, {b})")
-    da, db = str(a)[::-1], str(b)[::-1]
-    width = max(len(da), len(db))
-    da, db = da.ljust(width, "0"), db.ljust(width, "0")
-    steps = []
-    carry = 0
-    for x, y in zip(da, db):
-        total = int(x) + int(y) + carry
-        steps.append(f"{x}+{y}+{carry}={total}")
-        carry = total // 10
-    return f"<think>{','.join(steps)}</think><answer>{a + b}</answer>"
 
 
 def _addition_problem(a: int, b: int) -> Problem:
@@ -97,20 +72,51 @@ def _multiplication_problem(a: int, b: int) -> Problem:
 OPS = {"add": _addition_problem, "mul": _multiplication_problem}
 
 
+def _check_room(weights: List[float], min_digits: int, wanted: int) -> None:
+    """Refuse a draw that would need more than half of some digit count's distinct problems
+    (the sampling without repeats would slow to a crawl, or never end)."""
+    for k, weight in enumerate(weights):
+        digits = min_digits + k
+        lo, hi = _operand_range(digits)
+        # pairs whose longer operand has exactly `digits` digits
+        room = (hi + 1 - _operand_range(min_digits)[0]) ** 2 - (lo - _operand_range(min_digits)[0]) ** 2
+        if weight * wanted > room / 2:
+            raise DataError(f"data.heldout_size + data.num_train = {wanted} asks for about {weight * wanted:.0f} "
+                            f"problems of {digits} digits, more than half of the {room} there are: lower "
+                            f"data.num_train, or raise data.min_digits or data.digit_decay")
+
+
 def _operand_range(digits: int) -> Tuple[int, int]:
     """Inclusive bounds of the numbers with exactly `digits` digits (1 digit: 0-9)."""
     return (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
 
 
+def digit_count_weights(min_digits: int, max_digits: int, distribution: str = "uniform",
+                        decay: float = 0.5) -> List[float]:
+    """The probability of each digit count min..max of a problem's longer operand: equal
+    (`uniform`), or falling by `decay` per digit (`geometric`, truncated at max_digits: most
+    problems short, a few long, so the scratchpad's length has a long tail)."""
+    if distribution not in DIGIT_DISTRIBUTIONS:
+        raise DataError(f"data.digit_distribution must be one of {', '.join(DIGIT_DISTRIBUTIONS)} "
+                        f"(got '{distribution}')")
+    if distribution == "geometric" and not 0 < decay < 1:
+        raise DataError(f"data.digit_decay must be between 0 and 1, both excluded (got {decay})")
+    raw = [1.0 if distribution == "uniform" else decay ** k for k in range(max_digits - min_digits + 1)]
+    return [w / sum(raw) for w in raw]
+
+
 def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits: int,
-                        max_digits: int, op: str = "add") -> Splits:
+                        max_digits: int, op: str = "add", digit_distribution: str = "uniform",
+                        digit_decay: float = 0.5) -> Splits:
     """(held-out, train) problems `a+b=` (or `a*b=` with op="mul") whose operands have min..max digits.
 
     Deterministic in `seed`; no (a, b) pair is in both lists. Small pair spaces (2-digit
     operands: 8100 pairs) are enumerated, shuffled, the first `heldout_size` held out and the
     rest (or its first `num_train`, when > 0) trained on. Larger spaces are sampled without
     repeats (each operand's digit count uniform in min..max, then the operand uniform), and
-    need `num_train` > 0.
+    need `num_train` > 0. With `digit_distribution="geometric"` a problem's digit count d is
+    drawn by `digit_count_weights` instead, one operand gets d digits and the other a count
+    uniform in min..d (which operand is the longer is a coin toss).
     """
     if min_digits < 1 or max_digits < min_digits:
         raise DataError(f"data.min_digits={min_digits}, data.max_digits={max_digits}: "
@@ -142,14 +148,26 @@ def arithmetic_problems(seed: int, heldout_size: int, num_train: int, min_digits
                             f"the {space} problems with {min_digits}-{max_digits} digit operands")
         digit_counts = range(min_digits, max_digits + 1)
 
-        def operand() -> int:
-            lo, hi = _operand_range(rng.choice(digit_counts))
+        def operand(digits: Optional[int] = None) -> int:
+            lo, hi = _operand_range(rng.choice(digit_counts) if digits is None else digits)
             return rng.randint(lo, hi)
+
+        if digit_distribution == "uniform":
+            def draw() -> Tuple[int, int]:
+                return operand(), operand()
+        else:
+            weights = digit_count_weights(min_digits, max_digits, digit_distribution, digit_decay)
+            _check_room(weights, min_digits, wanted)
+
+            def draw() -> Tuple[int, int]:
+                longer = rng.choices(digit_counts, weights)[0]
+                pair = (operand(longer), operand(rng.randint(min_digits, longer)))
+                return pair if rng.random() < 0.5 else pair[::-1]
 
         seen = set()
         ordered: List[Tuple[int, int]] = []
         while len(ordered) < wanted:
-            pair = (operand(), operand())
+            pair = draw()
             if pair not in seen:
                 seen.add(pair)
                 ordered.append(pair)
@@ -370,7 +388,13 @@ def load_problems(data_cfg: "DataConfig", seed: int) -> Splits:
     evaluation = _eval_problems(data_cfg)
     if source == "arithmetic":
         heldout, train = arithmetic_problems(seed, 0 if evaluation else data_cfg.heldout_size, data_cfg.num_train,
-                                             data_cfg.min_digits, data_cfg.max_digits, data_cfg.op)
+                                             data_cfg.min_digits, data_cfg.max_digits, data_cfg.op,
+                                             data_cfg.digit_distribution, data_cfg.digit_decay)
+        return Splits(evaluation or heldout, train)
+    if source == "reasoning_gym":
+        from data.reasoning_gym import gym_problems  # reasoning-gym's import: only when asked for
+
+        heldout, train = gym_problems(data_cfg, seed, 0 if evaluation else data_cfg.heldout_size)
         return Splits(evaluation or heldout, train)
     if source == "jsonl":
         if not data_cfg.path:
@@ -379,7 +403,7 @@ def load_problems(data_cfg: "DataConfig", seed: int) -> Splits:
     elif source == "hf":
         label, rows = _load_hf_rows(data_cfg, data_cfg.split)
     else:
-        raise DataError(f"data.source must be one of arithmetic, jsonl, hf (got '{source}')")
+        raise DataError(f"data.source must be one of arithmetic, jsonl, hf, reasoning_gym (got '{source}')")
     problems = _problems(data_cfg, label, rows)
     if evaluation is not None:
         return Splits(evaluation, problems)

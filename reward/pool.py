@@ -46,6 +46,16 @@ def _add_outcome(stats: Dict[str, float], outcome: Outcome) -> None:
         stats[f"pass_sum/{name}"] += float(score >= 1.0)
     for name in outcome.timed_out:
         stats[f"timeouts/{name}"] += 1
+    for key, value in outcome.counts.items():  # judge_unparseable
+        stats[key] = stats.get(key, 0.0) + value
+
+
+def _add_task_score(stats: Dict[str, float], fields: Mapping[str, Any], outcome: Outcome) -> None:
+    """A reasoning-gym row's score under its own task's column as well (data.tasks mixes them)."""
+    task = fields.get("task") if "reasoning_gym" in outcome.scores else None
+    if task:
+        stats[f"task_sum/{task}"] = stats.get(f"task_sum/{task}", 0.0) + outcome.scores["reasoning_gym"]
+        stats[f"task_n/{task}"] = stats.get(f"task_n/{task}", 0.0) + 1.0
 
 
 class VerifierWorker:
@@ -78,8 +88,9 @@ class VerifierWorker:
             group.rewards = [o.reward for o in mine]
             group.scores = {name: [o.scores[name] for o in mine] for name in self.names}
             group.timed_out = [list(o.timed_out) for o in mine]
-            for outcome in mine:
+            for outcome, fields in zip(mine, _fields(group)):
                 _add_outcome(stats, outcome)
+                _add_task_score(stats, fields, outcome)
             # A group whose rewards are all equal has zero advantage: it teaches nothing.
             uniform = len(set(group.rewards)) <= 1
             stats["uniform_groups"] += float(uniform)
@@ -92,8 +103,9 @@ class VerifierWorker:
         stats = self._stats()
         restarts = self.scorer.restarts
         outcomes = self.scorer.score(requests)
-        for outcome in outcomes:
+        for outcome, request in zip(outcomes, requests):
             _add_outcome(stats, outcome)
+            _add_task_score(stats, request.fields, outcome)
         stats["scorer_restarts"] = float(self.scorer.restarts - restarts)
         return (*outcomes, ChunkReport(stats))
 
@@ -121,10 +133,14 @@ class VerifierPool:
         path = [os.getcwd()] if search_path is None else list(search_path)
         self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings, path, make_scorer)
                         for i in range(settings.num_workers)]
+        self.model_pools: List[Any] = []
+        """Pools of model actors the scorers call (reward/reward_model.py, reward/judge.py): stopped with it."""
 
     def ready(self) -> None:
         """Block until every actor has started its scorer process (raises if one cannot)."""
         ray.get([w.pid.remote() for w in self.workers])
+        for pool in self.model_pools:
+            pool.ready()
 
     def _dispatch(self, method: str, payload: Sequence[Any], chunks_per_worker: int = 4):
         """Run `method` over `payload` in chunks on whichever worker is free: (one result ref
@@ -167,6 +183,8 @@ class VerifierPool:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
+        for pool in self.model_pools:
+            pool.shutdown()
 
 
 def summarize(stats: Mapping[str, float], names: Sequence[str]) -> Dict[str, float]:
@@ -187,6 +205,12 @@ def summarize(stats: Mapping[str, float], names: Sequence[str]) -> Dict[str, flo
         out[f"score/{name}"] = stats[f"score_sum/{name}"] / n
         out[f"pass/{name}"] = stats[f"pass_sum/{name}"] / n
         out[f"reward_timeouts/{name}"] = stats[f"timeouts/{name}"]
+    if "judge" in names:
+        out["judge_unparseable"] = stats.get("judge_unparseable", 0.0)
+    for key, count in stats.items():
+        if key.startswith("task_n/") and count:
+            task = key[len("task_n/"):]
+            out[f"task_score/{task}"] = stats[f"task_sum/{task}"] / count
     return out
 
 

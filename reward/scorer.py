@@ -147,6 +147,8 @@ def _child_main(argv) -> None:
 
         verifiers = build_verifiers(settings, search_path)
         import math_verify  # noqa: F401  (warm: the first math call should not pay the import)
+        if "reasoning_gym" in verifiers:
+            import reasoning_gym  # noqa: F401  (its import registers ~100 tasks: seconds, paid once here)
     except BaseException as exc:
         send_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

@@ -1,7 +1,7 @@
 """`grpo verify`: score a file of completions with the same verifier pool that training uses.
 
 Input: JSON lines ``{"prompt", "completion", "answer", ...}`` (plus ``tests`` for `code`, any
-other field for custom verifiers). An episode with tools may come as ``"transcript": [{"role":
+other field for custom verifiers; `task`, `task_config` and `metadata` for `reasoning_gym`). An episode with tools may come as ``"transcript": [{"role":
 "assistant" | "tool", "content"}, ...]`` instead of a completion: it is scored as training
 scores it (the assistant's turns as the completion, the whole episode as the `transcript` field). Output: the same lines, each with ``scores`` (verifier ->
 float), ``reward`` (the weighted sum) and ``timed_out`` (verifier names). Every row is checked
@@ -63,14 +63,33 @@ def read_rows(path: str, verifiers: Sequence[str]) -> List[Dict[str, Any]]:
                 row = _from_transcript(row, where)
             _text(row, "completion", where, required=True)
             _text(row, "prompt", where, required=True)
-            _text(row, "answer", where, required="math" in verifiers)
+            _text(row, "answer", where, required="math" in verifiers or "reasoning_gym" in verifiers)
+            if "reasoning_gym" in verifiers:
+                _gym_fields(row, where)
             _text(row, "tests", where, required=False)
             rows.append(row)
     if not rows:
         raise VerifyInputError(f"{path}: no rows")
+    if "reasoning_gym" in verifiers:
+        from reward.gym import check_task
+
+        for task in sorted({str(row["task"]) for row in rows}):
+            try:
+                check_task(task)
+            except ValueError as exc:
+                raise VerifyInputError(f"{path}: field 'task': {exc}") from None
     if "code" in verifiers and not any(row.get("tests") for row in rows):
         raise VerifyInputError(f"{path}: no row has a 'tests' field, which the code verifier runs")
     return rows
+
+
+def _gym_fields(row: Dict[str, Any], where: str) -> None:
+    """A row scored by a reasoning-gym task names the task (as `grpo train` puts it in each row's
+    fields: `task`, optional `task_config` and `metadata` objects)."""
+    _text(row, "task", where, required=True)
+    for key in ("task_config", "metadata"):
+        if row.get(key) is not None and not isinstance(row[key], dict):
+            raise VerifyInputError(f"{where}: field '{key}' is a {type(row[key]).__name__}, not an object")
 
 
 def _from_transcript(row: Dict[str, Any], where: str) -> Dict[str, Any]:

@@ -1,6 +1,7 @@
 """The three roles and the channel between them, started together and stopped together."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Type
 
@@ -11,6 +12,9 @@ from common.backends import GenerationBackend, Scorer
 from common.config import Config, RewardConfig
 from learner.group import LearnerGroup
 from reward.pool import VerifierPool
+from reward.judge import JudgePool
+from reward.model_scorer import ModelBackedScorer
+from reward.reward_model import RewardModelPool
 from reward.scorer import VerifierScorer
 from rollout.pool import RolloutPool
 from rollout.worker import GenerationWorker
@@ -86,9 +90,22 @@ def start_rollout(cfg: Config, placement: Optional[Placement] = None) -> Rollout
 
 
 def start_verifiers(cfg: Config, placement: Optional[Placement] = None) -> VerifierPool:
-    """The verifier pool, each actor scoring with `reward.scorer`, in its placement group when given."""
-    return VerifierPool(cfg.reward, make_scorer=SCORERS[cfg.reward.scorer],
+    """The verifier pool, each actor scoring with `reward.scorer`, in its placement group when given.
+    With a model verifier (reward_model, judge) its model actors start first, as a pool of their
+    own (Ray resources of `reward.model` / `reward.judge`), and each verifier actor's scorer calls them."""
+    make_scorer = SCORERS[cfg.reward.scorer]
+    model_pools = {}
+    if "reward_model" in cfg.reward.verifiers:
+        model_pools["reward_model"] = RewardModelPool(cfg.reward.model)
+    if "judge" in cfg.reward.verifiers:
+        model_pools["judge"] = JudgePool(cfg.reward.judge)
+    if model_pools:
+        make_scorer = functools.partial(ModelBackedScorer, make_scorer,
+                                        {name: pool.workers for name, pool in model_pools.items()})
+    pool = VerifierPool(cfg.reward, make_scorer=make_scorer,
                         placement=(lambda i: placement.options("reward", i)) if placement else None)
+    pool.model_pools.extend(model_pools.values())
+    return pool
 
 
 def evaluate(roles: Roles, problems) -> float:
