@@ -86,7 +86,10 @@ def host_optimizer_threads(cfg: LearnerConfig, on_gpu: bool) -> int:
         return max(cfg.num_threads, 1)
     import ray
 
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0) if ray.is_initialized() else 0.0
+    # Only a Ray worker has assigned resources (a driver process, e.g. a test that started Ray,
+    # has none and Ray asserts on the call).
+    in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0) if in_actor else 0.0
     return max(1, int(cpus or cfg.num_cpus_per_rank))
 
 

@@ -15,7 +15,7 @@ def test_cfg_prints_composed_config_and_exits_0():
     result = run(GRPO, "train", "--cfg", "algo.beta=0.1", "logger=none")
     assert result.returncode == 0, result.stderr
     assert "beta: 0.1" in result.stdout
-    assert "backend: none" in result.stdout
+    assert "backends: []" in result.stdout
     same = run(sys.executable, "-m", "cluster.train", "--cfg", "algo.beta=0.1", "logger=none")
     assert same.returncode == 0 and same.stdout == result.stdout
 

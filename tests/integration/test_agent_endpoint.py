@@ -213,8 +213,12 @@ def test_trained_ids_are_exactly_the_sampled_ids_of_every_turn(worker):
             # are that prompt followed by exactly what was sampled for it.
             last = [(p, s) for p, s in requests if sequence[:len(p)] == p and len(p) > len(group.prompt_ids) + 1]
             assert last, "no turn of this session continued from its stored ids"
-            prompt, sampled = max(last, key=lambda r: len(r[0]))
-            assert sequence == prompt + sampled[0]
+            # Two sessions of one prompt whose first turns came out alike send the same second
+            # request: the session's ids must be one of those requests' prompt and sample.
+            longest = max(len(p) for p, _ in last)
+            matches = [s for p, s in last if len(p) == longest and sequence == p + s[0]]
+            assert matches, "the session's ids are not a request's prompt followed by its sample"
+            sampled = matches[0]
             # Every token with mask 1 was sampled, in order: the first turn's, then the second's.
             first = [(p, s) for p, s in requests if p == group.prompt_ids]
             trained = [t for t, m in zip(ids, mask) if m]
