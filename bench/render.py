@@ -21,7 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 
-PAGES = [ROOT / "docs" / "performance.md", ROOT / "bench" / "README.md", ROOT / "bench" / "results" / "memory_scale.md"]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "performance.md",
+         ROOT / "docs" / "development.md", ROOT / "bench" / "README.md",
+         ROOT / "bench" / "results" / "memory_scale.md"]
 MARKED = re.compile(r"^<!-- table: (?P<name>[\w.-]+) -->\n(?P<body>.*?)^<!-- /table -->$", re.S | re.M)
 REGENERATE = ".venv/bin/python bench/render.py"
 
