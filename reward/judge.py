@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import List, Sequence
 
-import ray
 
 from common.config import JudgeConfig
+from reward.model_pool import ModelActorPool
 
 __all__ = ["JudgePool", "JudgeWorker"]
 
-TASK_RETRIES = 3
 """Re-runs of one batch after its engine died (each on the restarted engine)."""
 class JudgeWorker:
     """One judge engine (a vLLM `LLM` in this actor): prompts in, greedy replies out."""
@@ -64,18 +63,6 @@ class JudgeWorker:
         return os.getpid()
 
 
-class JudgePool:
+class JudgePool(ModelActorPool):
     """`reward.judge.num_workers` judge engines; the verifier actors' scorers call them directly."""
-
-    def __init__(self, settings: JudgeConfig, placement: Optional[Callable[[int], dict]] = None):
-        actor = ray.remote(num_cpus=settings.num_cpus_per_worker, num_gpus=settings.num_gpus_per_worker,
-                           max_restarts=-1, max_task_retries=TASK_RETRIES)(JudgeWorker)
-        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings)
-                        for i in range(settings.num_workers)]
-
-    def ready(self) -> None:
-        ray.get([w.pid.remote() for w in self.workers])
-
-    def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
+    worker_cls = JudgeWorker

@@ -17,17 +17,16 @@ batch not scored within `reward.model.timeout_s` scores 0 and is counted as time
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Sequence
+from typing import List, Sequence
 
-import ray
 
 from common.config import RewardModelConfig
+from reward.model_pool import ModelActorPool
 from reward.registry import MODEL_VERIFIERS, check_reward_model
 
 __all__ = ["MODEL_VERIFIERS", "RewardModelPool", "RewardModelWorker", "check_reward_model",
            "model_text"]  # the first and the check live in reward/registry.py (no Ray there)
 
-TASK_RETRIES = 3
 """Re-runs of one batch after its actor died (each on the restarted actor)."""
 
 
@@ -73,18 +72,6 @@ class RewardModelWorker:
         return os.getpid()
 
 
-class RewardModelPool:
+class RewardModelPool(ModelActorPool):
     """`reward.model.num_workers` model actors; the verifier actors' scorers call them directly."""
-
-    def __init__(self, settings: RewardModelConfig, placement: Optional[Callable[[int], dict]] = None):
-        actor = ray.remote(num_cpus=settings.num_cpus_per_worker, num_gpus=settings.num_gpus_per_worker,
-                           max_restarts=-1, max_task_retries=TASK_RETRIES)(RewardModelWorker)
-        self.workers = [actor.options(**(placement(i) if placement else {})).remote(settings)
-                        for i in range(settings.num_workers)]
-
-    def ready(self) -> None:
-        ray.get([w.pid.remote() for w in self.workers])
-
-    def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
+    worker_cls = RewardModelWorker
