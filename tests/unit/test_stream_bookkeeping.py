@@ -153,11 +153,14 @@ def test_stale_groups_are_dropped_counted_and_issued_again():
 
 
 def test_a_lost_worker_s_requests_run_again_exactly_once():
-    pool = FakePool(workers=[0, 1], calls=lambda i: 2, die={1})
+    # Each worker's first call fails once: which worker's feeder takes work first is up to the
+    # threads, so at least one loss happens whatever the order.
+    pool = FakePool(workers=[0, 1], calls=lambda i: 2, die={0, 1})
     batches, _ = source(pool)
     try:
         seen = [r.index for step in (1, 2, 3, 4) for r in batches.next(step).items]
-        assert seen == list(range(16)) and pool.died == [1]
+        assert seen == list(range(16))
+        assert pool.died and len(pool.died) == len(set(pool.died)) and set(pool.died) <= {0, 1}
     finally:
         batches.close()
 
