@@ -26,7 +26,8 @@ read by the agent's parser or the loop's), so the turns per episode are printed 
 `--extra-layers N` measures the same with the model deepened by N blocks that leave its output
 unchanged (`deepened`): the same calls at a larger model's sampling cost, the endpoint's and the
 agents' cost a request the same. `--runs` picks the agent runs (the loop always runs). The runs
-go in rounds (`--pairs`, 3 by default: the agent runs then the loop, round after round), and each
+go in rounds (`--pairs`, 3 by default: the agent runs then the loop, the other way round in the
+next round, and so on), and each
 agent's ratio to the loop is taken within a round and reported as the median with its range
 (bench/compare.py), so that the host's drift between rounds does not decide it.
 
@@ -291,7 +292,8 @@ def main() -> None:
     parser.add_argument("--output", default=None,
                         help="the JSON result (default bench/results/agent_throughput.json; bench/results_io.py)")
     parser.add_argument("--pairs", type=int, default=3,
-                        help="rounds of the runs in turn (agents, then the loop); ratios are per round")
+                        help="rounds of the runs in turn (agents then the loop, reversed every other round); "
+                             "ratios are per round")
     parser.add_argument("--client-floor", action="store_true",
                         help="measure only the openai client's CPU per request against a bare server (1 and 32 processes)")
     parser.add_argument("--extra-layers", type=int, default=0,
@@ -332,7 +334,9 @@ def main() -> None:
     rounds = []
     for pair in range(args.pairs):
         results = {}
-        for name, extra in runs.items():
+        # The order turns each round (agents then the loop, then the loop first), so neither side
+        # always runs on a machine the other has just warmed or loaded.
+        for name, extra in (list(runs.items()) if pair % 2 == 0 else list(runs.items())[::-1]):
             before = load_average()
             results[name] = rates(train(out, f"{name.replace(' ', '-')}-{pair}", *model, *extra, *args.overrides))
             results[name]["load_average"] = f"{before} -> {load_average()}"
