@@ -57,8 +57,9 @@ class Comparison:
 
     @property
     def met(self) -> Optional[bool]:
-        """Whether the worst pair reaches the target (None without one)."""
-        return None if self.target is None else self.worst >= self.target
+        """Whether every pair reaches the target (None without one); a failed pair (a zero
+        figure, its ratio nan) never does."""
+        return None if self.target is None else all(r >= self.target for r in self.ratios)
 
     def summary(self) -> Dict[str, Any]:
         return {"a": self.label_a, "b": self.label_b, "a_runs": list(self.a), "b_runs": list(self.b),

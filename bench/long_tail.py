@@ -61,75 +61,95 @@ def task_lengths(n: int, overrides) -> list:
 
 
 def bound(repeats: int, overrides) -> dict:
-    """The tail's cost on one engine: forced task lengths in one call against their mean."""
+    """The tail's cost on one engine, in four arms run in turn `repeats` times: the task's forced
+    lengths in one call (the engine queues what its batch cannot hold, then drains to the
+    longest) against the same tokens at the mean length, and each of them kept full as streaming
+    keeps an engine over four calls' worth of requests. `bound` is the first pair's time ratio;
+    `kept_full_over_tail` what keeping the batch full gains over the one call, the same lengths."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     lengths, model, prompts, cfg = task_lengths(512, overrides)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=cfg.rollout.max_model_len,
               kv_cache_memory_bytes=int(cfg.rollout.kv_cache_gib * 2**30), enable_chunked_prefill=False,
               max_num_batched_tokens=max(cfg.rollout.max_model_len, 8192), seed=0)
+    tokenizer = llm.get_tokenizer()
+    prompt_lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
     mean = round(sum(lengths) / len(lengths))
-
-    def timed(per_request) -> float:
-        params = [SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=1.0, seed=i)
-                  for i, k in enumerate(per_request)]
-        started = time.perf_counter()
-        llm.generate(prompts[:len(params)], params, use_tqdm=False)
-        return time.perf_counter() - started
-
-    timed([mean] * 32)  # warm the engine
-    tail, flat, streamed = [], [], []
+    slots = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    arms = {"tail, one call": (lengths, None), "mean, one call": ([mean] * len(lengths), None),
+            "tail, kept full": (lengths * STREAMED_CALLS, slots),
+            "mean, kept full": ([mean] * len(lengths) * STREAMED_CALLS, slots)}
+    for per_request, cap in arms.values():  # warm every shape the arms will run once, untimed
+        drive(llm, prompts, prompt_lengths, per_request[:len(lengths)], cap)
+    runs = {arm: [] for arm in arms}
     for _ in range(repeats):
-        tail.append(timed(lengths))
-        flat.append(timed([mean] * len(lengths)))
-        streamed.append(kept_full(llm, prompts, lengths * STREAMED_CALLS))
+        for arm, (per_request, cap) in arms.items():
+            runs[arm].append(drive(llm, prompts, prompt_lengths, per_request, cap))
     ordered = sorted(lengths)
-    tail_rate = [sum(lengths) / s for s in tail]
+    tail = [r["seconds"] for r in runs["tail, one call"]]
+    flat = [r["seconds"] for r in runs["mean, one call"]]
     return {"requests": len(lengths), "median": statistics.median(lengths), "p90": ordered[int(0.9 * len(ordered))],
-            "max": ordered[-1], "mean": mean, "tail_seconds": tail, "mean_seconds": flat,
-            "bound": statistics.median(tail) / statistics.median(flat),
-            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
-            "tail_tokens_per_s": tail_rate, "kept_full": streamed,
-            # In turn, so a pair shares the host's speed of the moment.
-            "kept_full_over_tail": [k["full_tokens_per_s"] / t for k, t in zip(streamed, tail_rate)]}
+            "max": ordered[-1], "mean": mean, "max_num_seqs": slots, "tail_seconds": tail, "mean_seconds": flat,
+            "bound": statistics.median(tail) / statistics.median(flat), "arms": runs,
+            # Pairs in turn, so each shares the host's speed of the moment.
+            "kept_full_over_tail": [k["full_tokens_per_s"] / t["tokens_per_s"]
+                                    for k, t in zip(runs["tail, kept full"], runs["tail, one call"])],
+            "mean_kept_full_over_tail_kept_full": [m["full_tokens_per_s"] / k["full_tokens_per_s"]
+                                                   for m, k in zip(runs["mean, kept full"], runs["tail, kept full"])]}
 
 
 STREAMED_CALLS = 4
-"""The kept-full arm streams this many calls' worth of the task's requests."""
+"""The kept-full arms stream this many calls' worth of requests."""
 
 
-def kept_full(llm, prompts, lengths) -> dict:
-    """The engine as streaming drives it (`GenerationWorker.advance`: `add_request` and `step`),
-    fed the task's forced lengths as slots free up, never more requests than max_num_seqs, so
-    none waits for a slot. The throughput while the feed still has requests left (the batch is
-    full: a streamed run's steady state, where the next step's prompts fill what this one's tail
-    leaves), and over the whole feed, its own final tail included."""
+def drive(llm, prompts, prompt_lengths, lengths, cap) -> dict:
+    """Requests of the forced `lengths` through the engine as `GenerationWorker` drives it
+    (`add_request`, `step`): all at once (`cap` None: one call, vLLM queues what its batch cannot
+    hold), or fed as requests finish, never more than `cap` (max_num_seqs) in the engine, so the
+    batch stays full while the feed lasts (a streamed run's steady state, where the next step's
+    prompts fill what this one's tail leaves). Reports tokens/s over the whole drive and while
+    the feed lasted, engine steps, tokens a step, and the mean context a sampled token attends
+    over (its prompt and the tokens before it)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    slots = engine.vllm_config.scheduler_config.max_num_seqs
     feed = list(enumerate(lengths))
-    full_tokens = full_s = tokens = 0.0
+    admitted, context = {}, 0.0
+    full_tokens = full_s = tokens = steps = 0.0
     started = time.perf_counter()
     while feed or engine.has_unfinished_requests():
-        while feed and engine.get_num_unfinished_requests() < slots:
+        while feed and (cap is None or engine.get_num_unfinished_requests() < cap):
             i, k = feed.pop(0)
-            engine.add_request(f"kept-{i}", prompts[i % len(prompts)],
+            engine.add_request(f"drive-{i}", prompts[i % len(prompts)],
                                SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=1.0, seed=i))
-        running, full = engine.get_num_unfinished_requests(), bool(feed)
+            admitted[f"drive-{i}"] = [prompt_lengths[i % len(prompts)], k]
+        full = bool(feed)
         step_started = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         seconds = time.perf_counter() - step_started
-        tokens += running  # one token per running request a step: no chunked prefill, no speculation
+        # Every running request sampled one token (no chunked prefill, no speculation); the ones
+        # vLLM holds waiting for a slot (one call past max_num_seqs) sampled none.
+        running = [r for r in admitted.values() if r[1] > 0][:engine.vllm_config.scheduler_config.max_num_seqs]
+        for r in running:
+            context += r[0]
+            r[0] += 1
+            r[1] -= 1
+        for out in outputs:
+            if out.finished:
+                admitted.pop(out.request_id, None)
+        tokens += len(running)
+        steps += 1
         if full:
-            full_tokens += running
+            full_tokens += len(running)
             full_s += seconds
-    return {"requests": len(lengths), "tokens": tokens, "seconds": time.perf_counter() - started,
-            "full_tokens_per_s": full_tokens / max(full_s, 1e-9),
-            "whole_tokens_per_s": tokens / (time.perf_counter() - started)}
+    seconds = time.perf_counter() - started
+    return {"requests": len(lengths), "tokens": tokens, "seconds": seconds, "steps": steps,
+            "tokens_per_s": tokens / seconds, "tokens_per_step": tokens / steps,
+            "full_tokens_per_s": full_tokens / full_s if full_s else None,
+            "mean_context": context / max(tokens, 1.0)}
 
 
 def summarize(run_dir: Path) -> dict:
@@ -170,7 +190,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the four modes (order alternating), 1-3")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--bound-repeats", type=int, default=2)
+    parser.add_argument("--bound-repeats", type=int, default=3, help="rounds of the bound's four arms, in turn")
+    parser.add_argument("--bound-only", action="store_true",
+                        help="measure the bound alone and write bench/results/long_tail_bound.json")
     parser.add_argument("--output-dir", default="runs/bench")
     parser.add_argument("--output", default=None, help="the JSON result (default bench/results/long_tail.json)")
     parser.add_argument("overrides", nargs="*")
@@ -179,6 +201,17 @@ def main() -> None:
         parser.error("--rounds must be 1, 2 or 3")
     from bench import results_io
 
+    if args.bound_only:
+        probe = bound(args.bound_repeats, args.overrides)
+        print_bound(probe)
+        factor = 1 + 0.75 * (probe["bound"] - 1)
+        results_io.Result("long_tail_bound").write(
+            {"bound": probe["bound"], "target_factor": factor,
+             "kept_full_over_tail": results_io.spread(probe["kept_full_over_tail"]),
+             "kept_full_target_met": min(probe["kept_full_over_tail"]) >= factor,
+             "mean_kept_full_over_tail_kept_full": results_io.spread(probe["mean_kept_full_over_tail_kept_full"])},
+            path=Path(args.output) if args.output else None, bound_probe=probe)
+        return
     result = results_io.Result("long_tail")
     # A run cut short (a time limit's SIGTERM) still writes what it measured, marked incomplete.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -192,14 +225,22 @@ def main() -> None:
         raise
 
 
-def measure(args, result, probe: dict, runs: dict) -> None:
-    """The four modes in alternating order, then the summary and the result file."""
-    from bench import results_io
-
+def print_bound(probe: dict) -> None:
     print(f"bound on this host: {probe['bound']:.2f}x (forced task lengths, median {probe['median']}, p90 "
           f"{probe['p90']}, max {probe['max']}, in one call, against the same tokens at the mean {probe['mean']}); "
           f"kept full: {', '.join(f'{r:.2f}x' for r in probe['kept_full_over_tail'])} the one call's tokens/s",
           flush=True)
+    for arm, runs in probe.get("arms", {}).items():
+        print(f"  {arm}: " + "; ".join(f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_step']:.0f} a step, mean "
+                                       f"context {r['mean_context']:.0f})" for r in runs), flush=True)
+
+
+def measure(args, result, probe: dict, runs: dict) -> None:
+    """The four modes in alternating order, then the summary and the result file."""
+    from bench import results_io
+    from bench.compare import Comparison
+
+    print_bound(probe)
     stamp, order = time.strftime("%Y%m%d-%H%M%S"), list(MODES)
     for round_ in range(args.rounds):
         for mode in (order if round_ % 2 == 0 else order[::-1]):
@@ -224,8 +265,10 @@ def measure(args, result, probe: dict, runs: dict) -> None:
     factor = 1 + 0.75 * (probe["bound"] - 1)
     target = sync_gen * factor
     # A target is met when the worst pair (one round's two runs) meets it.
-    pairs = [p["generation_tokens_per_s"] / s["generation_tokens_per_s"]
-             for p, s in zip(runs["streaming_partial"], runs["sync"])]
+    generation = Comparison(a=[r["generation_tokens_per_s"] for r in runs["streaming_partial"]],
+                            b=[r["generation_tokens_per_s"] for r in runs["sync"]], target=factor,
+                            label_a="streaming + partial", label_b="sync")
+    pairs = generation.ratios
     # End to end: generation at most `bound` times faster and overlapped with the learner's side.
     learner_s = median("sync", "time_train") + median("sync", "time_weight_sync")
     e2e_bound = median("sync", "time_step") / max(median("sync", "time_generate") / probe["bound"], learner_s)
@@ -235,7 +278,7 @@ def measure(args, result, probe: dict, runs: dict) -> None:
         "generation_target_tokens_per_s": target,
         "target_factor": factor,
         "generation_ratio_per_round": pairs,
-        "generation_target_met": min(pairs) >= factor,
+        "generation_target_met": generation.met,
         # The same target for the engine alone, kept full as streaming keeps it, against one call
         # that waits for its longest request: what the mechanism gives without a learner beside it.
         "kept_full_over_tail": results_io.spread(probe["kept_full_over_tail"]),

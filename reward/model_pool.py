@@ -6,7 +6,7 @@ so the verifier actor's batch is scored again rather than lost.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, List
 
 import ray
 
@@ -17,11 +17,10 @@ class ModelActorPool:
     """`settings.num_workers` actors of `worker_cls`; the verifier actors' scorers call them directly."""
     worker_cls: Any = None
 
-    def __init__(self, settings: Any, placement: Optional[Callable[[int], dict]] = None):
+    def __init__(self, settings: Any):
         actor = ray.remote(num_cpus=settings.num_cpus_per_worker, num_gpus=settings.num_gpus_per_worker,
                            max_restarts=-1, max_task_retries=TASK_RETRIES)(self.worker_cls)
-        self.workers: List[Any] = [actor.options(**(placement(i) if placement else {})).remote(settings)
-                                   for i in range(settings.num_workers)]
+        self.workers: List[Any] = [actor.remote(settings) for _ in range(settings.num_workers)]
 
     def ready(self) -> None:
         ray.get([w.pid.remote() for w in self.workers])

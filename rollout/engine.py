@@ -10,13 +10,9 @@ class VllmStepEngine:
 
     def __init__(self, llm):
         self.llm = llm
-        self.steps = 0
-        """Engine steps run so far: a multi-turn call's steps per sampled token tell how full its
-        batches were (bench/agent_throughput.py)."""
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: Any) -> None:
         self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
 
     def step(self) -> List[Any]:
-        self.steps += 1
         return self.llm.llm_engine.step()

@@ -294,14 +294,13 @@ class GenerationWorker:
         rollout.temperature (evaluation samples at eval.temperature)."""
         version = self.policy_version  # weights change only between calls, never during one
         seeds = self._request_seeds([r.seed for r in requests], greedy)
+        clock = dict(self.engine_clock)
         if self.tools is not None or self.agents is not None:
-            steps = self.engine.steps
             run = self._episodes if self.tools is not None else self._agent_episodes
             *groups, report = run(requests, n, greedy, seeds, temperature, version)
-            report.stats["engine_steps"] = float(self.engine.steps - steps)
+            report.stats.update(self._clock_since(clock))
             return (*groups, report)
         rust = self._rust_tokenizer
-        clock = dict(self.engine_clock)
         params = [self.sampling_params(n, greedy, seed, temperature, detokenize=rust is None) for seed in seeds]
         if self.stream.pending:
             # Streaming requests live in this engine between calls: LLM.generate would drain
@@ -382,8 +381,11 @@ class GenerationWorker:
             request_id = f"stream-{next(stream.numbers)}"
             stream.pending[request_id] = (ticket, request, params)
             self._add(request_id, request.prompt, params)
-        steps = 0
-        while stream.pending and len(stream.finished) < return_after and steps < max_steps:
+        steps, engine = 0, self.llm.llm_engine
+        # Finished requests stay in `pending` until returned below: the engine itself says whether
+        # any still runs (a step of an empty engine whose core is a process of its own waits for
+        # work forever; in the actor it would count empty steps into the occupancy).
+        while engine.has_unfinished_requests() and len(stream.finished) < return_after and steps < max_steps:
             self._step_stream()
             steps += 1
         done_tickets, versions, newest, lengths, version_tokens = [], [], [], [], []

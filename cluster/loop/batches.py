@@ -127,12 +127,18 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
     metrics = {**{k: v for k, v in gen_totals.items() if k not in TOOL_STATS + ENGINE_STATS},
                **episode_metrics(gen_totals), **engine_metrics(gen_totals)}
     if cfg.algo.dynamic_sampling and items is None:
-        filled = max(size - len(kept), 0)
-        metrics.update({"dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
-                        "sampling_rounds": float(round_ + 1)})
-        kept = (kept + spare[:filled])[:size]
+        kept, dynamic = filled_batch(kept, spare, size, round_ + 1)
+        metrics.update(dynamic)
     return Batch(refs=[r.ref for r in kept], items=[r.request for r in kept], versions=[r.version for r in kept],
                  reward_stats=totals, metrics=metrics, times=timer.times, restarts=restarts, sampler_state=state)
+
+
+def filled_batch(kept: list, spare: list, size: int, rounds: int) -> Tuple[list, Dict[str, float]]:
+    """DAPO's dynamic sampling: the informative groups, topped up to `size` with uniform ones
+    (in their order) when the rounds ran out, and the step's metrics of it."""
+    filled = max(size - len(kept), 0)
+    return (kept + spare[:filled])[:size], {"dynamic_dropped": float(len(spare) - filled),
+                                            "dynamic_filled": float(filled), "sampling_rounds": float(rounds)}
 
 
 TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_wait_seconds",
@@ -178,16 +184,15 @@ def keep_agent_records(cfg, step: int, stats: Dict[str, float], records: Dict[st
 def episode_metrics(totals: Dict[str, float]) -> Dict[str, float]:
     """Per-step metrics of multi-turn episodes (none for single-turn runs): turns and calls per
     episode, failed calls, the seconds tools ran (summed over calls) and the seconds the engines
-    sat idle waiting only for tools, the share of trained-on sequence that is tool output, and
-    the engines' steps (for the same tokens, fewer means fuller batches)."""
+    sat idle waiting only for tools and the share of trained-on sequence that is tool output
+    (the engines' steps: engine_metrics)."""
     if not totals.get("turns"):
         return {}
     n = max(totals["completions"], 1.0)
     return {"turns_mean": totals["turns"] / n, "tool_calls_mean": totals["tool_calls"] / n,
             "tool_errors": totals["tool_errors"], "tool_timeouts": totals["tool_timeouts"],
             "time_tools": totals["tool_seconds"], "time_tools_blocking": totals["tool_wait_seconds"],
-            "observation_token_fraction": totals["observation_tokens"] / max(totals["completion_tokens"], 1.0),
-            "engine_steps": totals.get("engine_steps", 0.0)}
+            "observation_token_fraction": totals["observation_tokens"] / max(totals["completion_tokens"], 1.0)}
 
 
 def generate_and_score(roles, requests: Sequence[GenerationRequest], n: int,

@@ -27,7 +27,6 @@ pool gave it the current weights.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -36,7 +35,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 import ray
 
-from cluster.loop.batches import Batch, engine_metrics, generation_requests
+from cluster.loop.batches import Batch, engine_metrics, filled_batch, generation_requests, reseeded
 from common import seeds
 from common.messages import GenerationRequest, RestartEvent, StreamReport
 from common.ray_utils import death_cause
@@ -292,9 +291,8 @@ class StreamingBatches:
                     for ticket in stale:
                         ticket.dropped = True
                     slot.stale += len(stale)
-                    seed = seeds.regenerated_seed(self.cfg.trainer.seed, step)
-                    self._issue(step, -1, [dataclasses.replace(t.request, seed=seeds.prompt_seed(seed, t.request.index))
-                                           for t in stale], front=True)
+                    self._issue(step, -1, reseeded([t.request for t in stale],
+                                                   seeds.regenerated_seed(self.cfg.trainer.seed, step)), front=True)
                     continue
             if algo.dynamic_sampling and slot.rounds < algo.max_sampling_rounds:
                 informative = sum(slot.informative[t.number] for t in live)
@@ -314,10 +312,7 @@ class StreamingBatches:
         if algo.dynamic_sampling:
             kept = [t for t in live if slot.informative[t.number]]
             spare = [t for t in live if not slot.informative[t.number]]
-            filled = max(self.size - len(kept), 0)
-            kept = (kept + spare[:filled])[:self.size]
-            dynamic = {"dynamic_dropped": float(len(spare) - filled), "dynamic_filled": float(filled),
-                       "sampling_rounds": float(slot.rounds)}
+            kept, dynamic = filled_batch(kept, spare, self.size, slot.rounds)
         else:
             kept, dynamic = live, {}
         for ticket in made:
@@ -383,8 +378,7 @@ def version_metrics(kept: List[_Ticket]) -> Dict[str, float]:
     for ticket in kept:
         for version, count in ticket.version_tokens:
             tokens[version] = tokens.get(version, 0) + count
-    return {
-        "version_spread": float(max(t.newest for t in kept) - min(t.version for t in kept)) if kept else 0.0,
+    return {  # the trained tokens' version spread: the learner's version_spread
         "multi_version_groups": float(sum(t.newest != t.version for t in kept)),
         "_token_versions": tokens,
         "_trained_lengths": [n for t in kept for n in t.lengths],

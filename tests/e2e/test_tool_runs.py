@@ -42,3 +42,26 @@ def test_a_tool_run_composes_with_async_dynamic_sampling_and_resume(tmp_path, mo
         assert row["turns_mean"] >= 1 and row["tool_calls_mean"] > 0
         assert 0 < row["observation_token_fraction"] < 1
         assert "sampling_rounds" in row and row["staleness_max"] <= 1
+
+
+def test_a_tool_run_streams_by_the_episode_and_trains_each_sample_once(tmp_path, model_cache):
+    """rollout.streaming with real tool episodes: a worker runs the taken prompts' episodes in one
+    call and takes the next when it ends, two steps ahead of the learner; every step trains its
+    own prompts' episodes, each sample once, and the episodes call the tool."""
+    from cluster.loop.samples import read
+
+    overrides = small_overrides(model_cache, str(tmp_path)) + [
+        "data=mul", "rollout.tools=[calculator]", "trainer.mode=async", "rollout.streaming=true",
+        "trainer.async_lookahead=2", "algo.max_staleness=2", "trainer.run_name=streamed", "trainer.eval_every=0",
+        "warmup.steps=30", "rollout.num_workers=1", "reward.num_workers=1", "trainer.max_steps=3"]
+    result = run(GRPO, "train", *overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "streamed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["turns_mean"] >= 1 and row["tool_calls_mean"] > 0
+        assert row["staleness_max"] <= 2 and row["engine_steps"] > 0
+    samples = read(tmp_path / "streamed")
+    assert len(samples) == 3 * 8 * 4  # steps x prompts x group size
+    assert len({(prompt, sample) for _, prompt, sample, _ in samples}) == len(samples)
+    assert sorted({step for step, *_ in samples}) == [1, 2, 3]

@@ -35,8 +35,6 @@ RECIPES = {
     "gsm8k-multi-node": {**GSM8K, "cluster.nodes.rollout": "gen", "cluster.nodes.learner": "train"},
     "local-model": {"model.name": "hf", "model.path": "/models/Qwen2.5-0.5B-Instruct", "learner.lr": 1e-6,
                     "chat template": True, "rollout.dtype": "bfloat16", "rollout.num_gpus_per_worker": 0},
-    "checkpoint-100m": {"model.name": "tiny", "model.hidden_size": 768, "model.num_layers": 12,
-                        "model.num_heads": 12, "model.intermediate_size": 3072, "warmup.steps": 0},
 }
 FENCE = re.compile(r"(?:<!-- recipe: (?P<label>[\w-]+) -->\n)?```(?:bash)?\n(?P<body>.*?)```", re.S)
 SUBMIT_OPTIONS = {"--address": 1, "--job-id": 1, "--no-follow": 0, "--cfg": 0}

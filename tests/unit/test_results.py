@@ -217,3 +217,9 @@ def test_a_jsonl_line_carries_its_command_and_the_load_around_the_run(tmp_path):
     assert lines[0]["command"] == ["bench/memory_scale.py", "--sweep", "25M", "--pairs", "2"]
     assert lines[0]["loadavg"]["before"] == [1.0, 2.0, 3.0] and len(lines[0]["loadavg"]["after"]) == 3
     assert results_io.problems(path) == []
+
+
+def test_a_failed_pair_never_meets_a_target():
+    # the second pair's B measured nothing (0.0): its ratio is nan, which min() would skip over
+    cmp = compare.Comparison(a=[120.0, 130.0, 125.0], b=[100.0, 0.0, 100.0], target=1.1)
+    assert cmp.met is False
