@@ -233,7 +233,8 @@ def _long_tail(records: List[dict]) -> str:
         return statistics.median(r[key] for r in runs[mode])
 
     rows = ["| mode | rounds | completion tokens/s end to end | x sync | tokens/s in engine steps | x sync | slot "
-            "occupancy | step s | generate s | train s | staleness | k3 mismatch | held-out after |",
+            "occupancy | step s | generate s (streaming: first prompt issued to last group scored) | train s | staleness | "
+            "k3 mismatch | held-out after |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, label in names.items():
         if mode not in runs:
@@ -260,14 +261,13 @@ def _long_tail(records: List[dict]) -> str:
 def _long_tail_task(records: List[dict]) -> str:
     """`bench/long_tail_task.py --result`: lengths, held-out accuracy by digits and the learner's view."""
     s = records[0]["summary"]["this_run"]
-    lengths, means = s["warmup_lengths"], s["step_means"]
-    rows = ["| | median | p90 | max | max / median |", "| --- | --- | --- | --- | --- |",
-            f"| completion tokens after the warm-up | {lengths['median']:.0f} | {lengths['p90']:.0f} | {lengths['max']} "
-            f"| {lengths['max_over_median']:.1f} |"]
-    if "trained_lengths" in s:
-        t = s["trained_lengths"]
-        rows.append(f"| completion tokens after GRPO | {t['median']:.0f} | {t['p90']:.0f} | {t['max']} "
-                    f"| {t['max_over_median']:.1f} |")
+    means, models = s["step_means"], records[0]["runs"][0]["models"]
+    rows = ["| completion tokens, one step's batch sampled | median | p90 | max | max / median | longest / shortest "
+            "within each batch of trainer.prompts_per_step prompts |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, label in (("after_warmup", "after the warm-up"), ("after_grpo", "after GRPO")):
+        x = models[key]["lengths"]
+        rows.append(f"| {label} | {x['median']:.0f} | {x['p90']:.0f} | {x['max']} | {x['max_over_median']:.1f} "
+                    f"| {', '.join(f'{b:.1f}' for b in x['batch_max_over_min'])} |")
     curve = ", ".join(f"step {step}: {acc:.1%}" for step, acc in s["heldout_curve"])
     rows += ["", f"Held-out accuracy {s['heldout_before']:.1%} after the warm-up, {s['heldout_after']:.1%} after GRPO "
                  f"({curve}).", "", "| digits | 2 | 3 | 4 | 5 | 6 | 7 | 8 and more |",
