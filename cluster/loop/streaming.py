@@ -35,7 +35,8 @@ from typing import Any, Deque, Dict, List, Optional
 
 import ray
 
-from cluster.loop.batches import Batch, engine_metrics, filled_batch, generation_requests, reseeded
+from cluster.loop.batches import (AGENT_STATS, TOOL_STATS, Batch, engine_metrics, episode_metrics, filled_batch,
+                                  generation_requests, reseeded)
 from common import seeds
 from common.messages import GenerationRequest, RestartEvent, StreamReport
 from common.ray_utils import death_cause
@@ -60,6 +61,8 @@ class _Ticket:
     newest: int = 0
     lengths: tuple = ()
     version_tokens: tuple = ()
+    episode_stats: Dict[str, float] = field(default_factory=dict)
+    """Tool episodes and agents: the group's share of its call's turns, calls and failures."""
     dropped: bool = False
     """Superseded: stale, its prompt issued again."""
 
@@ -218,12 +221,15 @@ class StreamingBatches:
         report = ray.get(refs[-1])
         scoring = self.roles.verifiers.submit(refs[:-1])
         tokens = report.stats.get("completion_tokens", 0.0) / len(take)
+        episode_keys = ("completions", "completion_tokens", *TOOL_STATS,
+                        *(AGENT_STATS if self.cfg.rollout.agent is not None else ()))
         with self.cond:
             for k, (ticket, version) in enumerate(zip(take, report.versions)):
                 ticket.scored, ticket.score_report, ticket.score_index = scoring[0][k], scoring[1], k
                 ticket.version = ticket.newest = version
                 ticket.lengths = (tokens / self.n,) * self.n  # the call's mean: episodes report no lengths
                 ticket.version_tokens = ((version, int(tokens)),)
+                ticket.episode_stats = {key: report.stats.get(key, 0.0) / len(take) for key in episode_keys}
                 self.inflight[w].discard(ticket.number)
             for key in ("engine_steps", "time_engine", "engine_slots", "completion_tokens"):
                 self.interval[key] += report.stats.get(key, 0.0)
@@ -324,6 +330,7 @@ class StreamingBatches:
             "rollout_actor_restarts": float(len(restarts)),
             "dropped_stale": float(slot.stale),
             **dynamic,
+            **episode_step_metrics(made),
             **version_metrics(kept),
         }
         # From the step's first prompt issued until it was complete (overlapping other steps').
@@ -383,6 +390,16 @@ def version_metrics(kept: List[_Ticket]) -> Dict[str, float]:
         "_token_versions": tokens,
         "_trained_lengths": [n for t in kept for n in t.lengths],
     }
+
+
+def episode_step_metrics(made: List[_Ticket]) -> Dict[str, float]:
+    """A step's tool-episode and agent metrics (as batches.py's for a chunked step), from its
+    groups' shares of their calls' stats; none for single-turn groups."""
+    totals: Dict[str, float] = {}
+    for ticket in made:
+        for key, value in ticket.episode_stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return {**episode_metrics(totals), **{key: totals[key] for key in AGENT_STATS if key in totals}}
 
 
 def interval_metrics(interval: Dict[str, Any], trained: List[int]) -> Dict[str, float]:

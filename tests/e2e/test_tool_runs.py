@@ -58,9 +58,11 @@ def test_a_tool_run_streams_by_the_episode_and_trains_each_sample_once(tmp_path,
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "streamed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for row in rows:
-        assert row["turns_mean"] >= 1 and row["tool_calls_mean"] > 0
-        assert row["staleness_max"] <= 2 and row["engine_steps"] > 0
+    for row in rows:  # each step's own groups' episodes (as a chunked step reports them)
+        assert row["turns_mean"] >= 1 and row["tool_calls_mean"] > 0 and row["staleness_max"] <= 2
+    # the engines' steps are those since the last step was handed out: a step made while the one
+    # before it trained has none of its own
+    assert sum(r["engine_steps"] for r in rows) > 0
     samples = read(tmp_path / "streamed")
     assert len(samples) == 3 * 8 * 4  # steps x prompts x group size
     assert len({(prompt, sample) for _, prompt, sample, _ in samples}) == len(samples)
