@@ -53,7 +53,28 @@ def _largest_model(records: List[dict]) -> str:
         rows.append(f"| {'LoRA r' + lora if lora else 'full'} | {overrides.get('learner.zero_stage', '2')} "
                     f"| {params.group(1) if params else '?'} (L {overrides.get('model.num_layers')}) | {allocator} "
                     f"| {_commit(r)} | {result} | {r['peak_pss_mb']:,} | {top} | {_load(load)} |")
-    return "\n".join(rows)
+    # The largest model each layout ran (exit 0) and the smallest that failed, as run on this machine.
+    layouts: Dict[str, Dict[str, list]] = {}
+    for r in records:
+        overrides = dict(o.split("=", 1) for o in r["overrides"] if "=" in o)
+        lora = overrides.get("learner.lora.rank")
+        name = f"{'LoRA r' + lora if lora else 'full fine-tuning'}, ZeRO-{overrides.get('learner.zero_stage', '2')}"
+        params = re.search(r"estimate, ([\d.,]+) M parameters", r["estimate"][0] if r.get("estimate") else "")
+        if params:
+            size = float(params.group(1).replace(",", ""))
+            layouts.setdefault(name, {"ran": [], "failed": []})["ran" if r["rc"] == 0 else "failed"].append(size)
+    lines = []
+    for name, x in layouts.items():
+        ran = max(x["ran"], default=None)
+        failed = min((f for f in x["failed"] if ran is None or f > ran), default=None)
+        lines.append(f"{name}: " + (f"the largest that ran {ran:,.1f} M" if ran else "none ran")
+                     + (f", the smallest larger one failed at {failed:,.1f} M" if failed else ""))
+    base = max(layouts.get("full fine-tuning, ZeRO-2", {}).get("ran", []), default=None)
+    if base:
+        lines = [line + (f" ({max(layouts[n]['ran']) / base:.1f}x full ZeRO-2's)" if layouts[n]["ran"] and
+                         not n.startswith("full fine-tuning, ZeRO-2") else "")
+                 for line, n in zip(lines, layouts)]
+    return "\n".join(rows + [""] + [f"- {line}" for line in lines])
 
 
 def _commit(record: dict) -> str:
@@ -172,7 +193,7 @@ def _checkpoint_cost(records: List[dict]) -> str:
     """`bench/checkpoint_cost.py`: a save against a step, per model size."""
     rows = ["| model | saves | seconds a save (mean) | step (median) | save / step | checkpoint on disk |",
             "| --- | --- | --- | --- | --- | --- |"]
-    names = {"default": "the built-in job (20 steps)", "100M": "about 100 M parameters (3 steps of 16 prompts)"}
+    names = {"default": "the built-in job (20 steps)", "100M": "12 blocks, 768 wide, MLP 3072 (3 steps of 16 prompts)"}
     for r in records[0]["runs"]:
         rows.append(f"| {names.get(r['size'], r['size'])} | {r['checkpoints']} | {r['seconds_per_save']:.2f} s "
                     f"| {r['step_seconds_median']:.2f} s | {r['save_over_step']:.2f} | {r['checkpoint_mb']:,.0f} MB |")
@@ -290,8 +311,8 @@ def _long_tail_task(records: List[dict]) -> str:
 
 def _zero_layouts(records: List[dict]) -> str:
     """`bench/memory_scale.py --sweep 100M --layouts zero2 zero3 --pairs 3`: ZeRO-3's peak per
-    rank over ZeRO-2's, pair by pair, for each allocator setting and step size."""
-    from bench.memory_scale import step_seconds
+    rank over ZeRO-2's, pair by pair, for each allocator setting and step size (no step seconds:
+    the tests of the round's changes shared the host with some of these runs)."""
 
     groups: Dict[tuple, Dict[str, List[dict]]] = {}
     for r in records:
@@ -310,19 +331,17 @@ def _zero_layouts(records: List[dict]) -> str:
                                                                               for k in r["ranks"]) for r in runs)
 
     rows = ["| step | allocator | ZeRO-2 peak per rank MB, each run | ZeRO-3, each run | ZeRO-3 / ZeRO-2 per pair "
-            "| median (min-max) | widest gap between a run's two ranks MB | median step s, ZeRO-2 and ZeRO-3 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| median (min-max) | widest gap between a run's two ranks MB, ZeRO-2 and ZeRO-3 |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for (allocator, prompts, group, completion), layouts in groups.items():
         two, three = layouts.get("zero2", []), layouts.get("zero3", [])
         ratios = [peak(b) / peak(a) for a, b in zip(two, three)]
         if not ratios:
             continue
-        seconds = [statistics.median(step_seconds(r["ranks"]) for r in runs) for runs in (two, three)]
         rows.append(f"| {prompts} prompts x {group} x {completion} tokens | {allocators.get(allocator, allocator)} "
                     f"| {', '.join(f'{peak(r):,.0f}' for r in two)} | {', '.join(f'{peak(r):,.0f}' for r in three)} "
                     f"| {', '.join(f'{x:.1%}' for x in ratios)} | {statistics.median(ratios):.1%} ({min(ratios):.1%}-"
-                    f"{max(ratios):.1%}) | {ranks_gap(two):,.0f}, {ranks_gap(three):,.0f} "
-                    f"| {seconds[0]:.1f}, {seconds[1]:.1f} |")
+                    f"{max(ratios):.1%}) | {ranks_gap(two):,.0f}, {ranks_gap(three):,.0f} |")
     return "\n".join(rows)
 
 
@@ -400,7 +419,6 @@ TABLES: Dict[str, Tuple[str, Callable[[List[dict]], str]]] = {
     "chaos": ("chaos.json", _chaos),
     "agent_throughput": ("agent_throughput.json", _agent_throughput),
     "agent_run": ("agent_run.json", _default_run),
-    "lora_run": ("lora_run.json", _default_run),
     "long_tail": ("long_tail.json", _long_tail),
     "long_tail_task": ("long_tail_task.json", _long_tail_task),
     "long_tail_bound": ("long_tail_bound.json", _long_tail_bound),
