@@ -218,16 +218,26 @@ class GenerationWorker:
         """The weights' version (0 until the first push; the engine labels each sampled span
         with it), the streaming requests carried between calls, and a count of every step of
         the engine and the seconds inside them, whoever steps it (`LLM.generate`, the multi-turn
-        loops, the streaming calls): slot occupancy is tokens sampled / (steps x max_num_seqs),
-        generation throughput tokens / seconds in steps."""
+        loops, the streaming calls) and of the tokens its steps sampled: slot occupancy is tokens
+        sampled / (steps x max_num_seqs), generation throughput tokens / seconds in steps. The
+        tokens are counted as each step's outputs reach the output processor, so a streaming
+        sample is counted in the call whose steps sampled it, not the call it finished in."""
         import time
 
         self.policy_version = 0
         self.llm.llm_engine.set_weight_version("0")
         self.stream = StreamState()
         engine, step = self.llm.llm_engine, self.llm.llm_engine.step
-        self.engine_clock = {"engine_steps": 0.0, "time_engine": 0.0}
+        self.engine_clock = {"engine_steps": 0.0, "time_engine": 0.0, "sampled_tokens": 0.0}
         self.max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+        processor = engine.output_processor
+        process = processor.process_outputs
+
+        def counted_outputs(outputs, *args, **kwargs):
+            self.engine_clock["sampled_tokens"] += sum(len(out.new_token_ids) for out in outputs)
+            return process(outputs, *args, **kwargs)
+
+        processor.process_outputs = counted_outputs
 
         def counted_step():
             started = time.perf_counter()
@@ -240,10 +250,12 @@ class GenerationWorker:
         engine.step = counted_step
 
     def _clock_since(self, before: Dict[str, float]) -> Dict[str, float]:
-        """Engine steps, their seconds and slots (steps x max_num_seqs) since `before`."""
+        """Engine steps, their seconds, slots (steps x max_num_seqs) and sampled tokens since
+        `before`."""
         steps = self.engine_clock["engine_steps"] - before["engine_steps"]
         return {"engine_steps": steps, "time_engine": self.engine_clock["time_engine"] - before["time_engine"],
-                "engine_slots": steps * self.max_num_seqs}
+                "engine_slots": steps * self.max_num_seqs,
+                "sampled_tokens": self.engine_clock["sampled_tokens"] - before["sampled_tokens"]}
 
     def ready(self) -> int:
         return self.policy_version

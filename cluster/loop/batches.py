@@ -101,7 +101,7 @@ def collect(step: int, roles, sampler, cfg, round_seed: Optional[int] = None,
     totals: Dict[str, float] = {}
     restarts: List[RestartEvent] = []
     gen_totals: Dict[str, float] = {"completions": 0.0, "completion_tokens": 0.0, "rollout_actor_restarts": 0.0,
-                                    "time_engine": 0.0, "engine_slots": 0.0,
+                                    "time_engine": 0.0, "engine_slots": 0.0, "sampled_tokens": 0.0,
                                     **{key: 0.0 for key in TOOL_STATS},
                                     **({key: 0.0 for key in AGENT_STATS} if cfg.rollout.agent is not None else {})}
     for round_ in range(rounds):
@@ -145,18 +145,20 @@ TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_secon
               "observation_tokens", "engine_steps")
 
 
-ENGINE_STATS = ("time_engine", "engine_slots")
+ENGINE_STATS = ("time_engine", "engine_slots", "sampled_tokens")
 
 
 def engine_metrics(totals: Dict[str, float]) -> Dict[str, float]:
-    """The engines' steps and seconds inside them, their slot occupancy (tokens sampled /
-    (steps x max_num_seqs)) and tokens sampled per second inside steps (summed over engines);
-    the last two only when the engines stepped (a streamed step made while the one before it
-    trained has no steps of its own)."""
+    """The engines' steps and seconds inside them, their slot occupancy (tokens sampled in those
+    steps / (steps x max_num_seqs)) and tokens sampled per second inside steps (summed over
+    engines); the last two only when the engines stepped (a streamed step made while the one
+    before it trained has no steps of its own). Sampled tokens are the engines' own count:
+    a tool episode's observation tokens are not among them, and a streaming sample's tokens
+    count in the interval whose steps sampled them."""
     out = {"engine_steps": totals.get("engine_steps", 0.0), "time_engine": totals.get("time_engine", 0.0)}
     if totals.get("engine_slots") and totals.get("time_engine"):
-        out["slot_occupancy"] = totals.get("completion_tokens", 0.0) / totals["engine_slots"]
-        out["tokens_per_s_engine"] = totals.get("completion_tokens", 0.0) / totals["time_engine"]
+        out["slot_occupancy"] = totals.get("sampled_tokens", 0.0) / totals["engine_slots"]
+        out["tokens_per_s_engine"] = totals.get("sampled_tokens", 0.0) / totals["time_engine"]
     return out
 
 

@@ -129,7 +129,7 @@ class StreamingBatches:
     def _new_interval() -> Dict[str, Any]:
         """What the engines did since the last batch was handed out (the sampled side)."""
         return {"lengths": [], "engine_steps": 0.0, "time_engine": 0.0, "engine_slots": 0.0,
-                "completion_tokens": 0.0}
+                "sampled_tokens": 0.0}
 
     # ----- issuing (under self.cond)
 
@@ -207,7 +207,7 @@ class StreamingBatches:
                 ticket.version, ticket.newest, ticket.lengths, ticket.version_tokens = version, newest, lengths, tokens
                 self.inflight[w].discard(number)
                 self.interval["lengths"] += list(lengths)
-            for key in ("engine_steps", "time_engine", "engine_slots", "completion_tokens"):
+            for key in ("engine_steps", "time_engine", "engine_slots", "sampled_tokens"):
                 self.interval[key] += report.stats.get(key, 0.0)
             self.cond.notify_all()
 
@@ -231,7 +231,7 @@ class StreamingBatches:
                 ticket.version_tokens = ((version, int(tokens)),)
                 ticket.episode_stats = {key: report.stats.get(key, 0.0) / len(take) for key in episode_keys}
                 self.inflight[w].discard(ticket.number)
-            for key in ("engine_steps", "time_engine", "engine_slots", "completion_tokens"):
+            for key in ("engine_steps", "time_engine", "engine_slots", "sampled_tokens"):
                 self.interval[key] += report.stats.get(key, 0.0)
             self.cond.notify_all()
 

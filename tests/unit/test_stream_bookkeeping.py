@@ -66,7 +66,8 @@ class FakePool:
                               newest=(self.version,) * len(finished),
                               lengths=tuple((4 * e[1].index + 1,) * n for _, e in finished),
                               version_tokens=tuple(((e[3], 1),) for _, e in finished),
-                              stats={"completion_tokens": 1.0, "engine_steps": 1.0, "engine_slots": 4.0})
+                              stats={"completion_tokens": 1.0, "sampled_tokens": 1.0, "engine_steps": 1.0,
+                                     "engine_slots": 4.0})
         return iter([*groups, report])
 
     def _restarted(self, w):
