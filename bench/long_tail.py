@@ -166,14 +166,17 @@ def summarize(run_dir: Path) -> dict:
             if key.startswith("tokens_lag_"):
                 lags[key] = lags.get(key, 0.0) + value
     tokens = total("completion_tokens")
-    # Over the whole run: a streamed step's engine time is what the engines did while the step
-    # before it trained, not the steps of its own groups.
-    generated = sum(r.get("completion_tokens", 0.0) for r in rows)
+
+    def whole(key: str) -> float:
+        # Over the whole run: a streamed step's engine steps are what the engines did while the
+        # step before it trained, not the steps of its own groups.
+        return sum(r.get(key, 0.0) for r in rows)
+
     return {
         "steps": len(rows), "completion_tokens": tokens,
         "tokens_per_s": tokens / max(total("time_step"), 1e-9),
-        "generation_tokens_per_s": generated / max(sum(r.get("time_engine", 0.0) for r in rows), 1e-9),
-        "slot_occupancy": statistics.mean([r["slot_occupancy"] for r in rows if "slot_occupancy" in r] or [0.0]),
+        "generation_tokens_per_s": whole("sampled_tokens") / max(whole("time_engine"), 1e-9),
+        "slot_occupancy": whole("sampled_tokens") / max(whole("engine_slots"), 1e-9),
         **{phase: total(phase) / len(steady) for phase in PHASES},
         "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in steady),
         # The sampler/trainer mismatch: what a sample that spans a push (KV kept) adds to the rest.

@@ -155,7 +155,7 @@ def engine_metrics(totals: Dict[str, float]) -> Dict[str, float]:
     before it trained has no steps of its own). Sampled tokens are the engines' own count:
     a tool episode's observation tokens are not among them, and a streaming sample's tokens
     count in the interval whose steps sampled them."""
-    out = {"engine_steps": totals.get("engine_steps", 0.0), "time_engine": totals.get("time_engine", 0.0)}
+    out = {key: totals.get(key, 0.0) for key in ("engine_steps", "time_engine", "engine_slots", "sampled_tokens")}
     if totals.get("engine_slots") and totals.get("time_engine"):
         out["slot_occupancy"] = totals.get("sampled_tokens", 0.0) / totals["engine_slots"]
         out["tokens_per_s_engine"] = totals.get("sampled_tokens", 0.0) / totals["time_engine"]
