@@ -27,6 +27,9 @@ demo: install
 	$(BIN)/grpo train $(ARGS)
 
 test: install
+	# DeepSpeed's CPU Adam (ZeRO-Offload) compiles its op on first use, once per machine: built
+	# here, outside the tests' time, like the rest of the install.
+	$(BIN)/python -m learner.build_ops
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
 
 # The unit tier alone (pure logic, under a minute): for quick checks while editing.

@@ -121,7 +121,8 @@ def host_optimizer_line(cfg: LearnerConfig, on_gpu: bool) -> Optional[str]:
     folder = _get_build_directory("cpu_adam", verbose=False)
     if os.path.exists(os.path.join(folder, "cpu_adam.so")):
         return line + f"; its op is built ({folder})"
-    line += f"; compiling its op first (minutes on a few cores, once per machine, into {folder})"
+    line += (f"; compiling its op first (minutes on a few cores, once per machine, into {folder}; "
+             "`python -m learner.build_ops` builds it ahead)")
     if os.path.exists(os.path.join(folder, "lock")):
         line += (f"; its lock file {os.path.join(folder, 'lock')} is held: if no other process is building it, "
                  "a killed build left it behind and it must be removed")

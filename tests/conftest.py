@@ -5,7 +5,9 @@ vLLM engines take ~20 s each to start on 2 cores, so integration tests share the
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 # `make test` runs two workers, each starting engines and learner ranks that plan their threads
 # for the whole machine, so the suite keeps more OpenMP threads busy than there are cores.
@@ -24,17 +26,45 @@ from helpers import small_overrides  # noqa: E402
 TIERS = ("unit", "integration", "e2e")
 
 
+# The modules that use the session's actors (`roles`): one work unit under `--dist loadfile`.
+SHARES_ROLES = ("tests/integration/test_system.py", "tests/integration/test_weight_sync.py",
+                "tests/integration/test_streaming.py")
+ROOT = Path(__file__).resolve().parents[1]
+# The last full run's seconds per test file (bench/suite_durations.py writes it).
+DURATIONS = ROOT / "bench" / "results" / "suite.json"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`)."""
+    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`), and the
+    work units (modules, SHARES_ROLES as one) are ordered longest first by the last full run's
+    seconds, so that under `-n 2` no worker is left alone with a long unit at the end."""
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+    seconds = unit_seconds(DURATIONS)
+    items.sort(key=lambda item: -seconds.get(work_unit(_module(item)), float("inf")))
 
 
-# The modules that use the session's actors (`roles`): one work unit under `--dist loadfile`.
-SHARES_ROLES = ("tests/integration/test_system.py", "tests/integration/test_weight_sync.py",
-                "tests/integration/test_streaming.py")
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def work_unit(module: str) -> str:
+    return "session roles" if module in SHARES_ROLES else module
+
+
+def unit_seconds(path: Path) -> dict:
+    """Seconds per work unit in a suite.json (empty when there is none: the order is then
+    pytest's); a module the file does not name sorts first (its length is unknown)."""
+    try:
+        files = json.loads(path.read_text())["summary"]["file_seconds"]
+    except (OSError, KeyError, ValueError):
+        return {}
+    units: dict = {}
+    for module, value in files.items():
+        units[work_unit(module)] = units.get(work_unit(module), 0.0) + value
+    return units
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -48,10 +78,13 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    # The units in collection order (longest first: pytest_collection_modifyitems), not
+    # xdist's default of the most tests first, which put the longest units last.
+    config.option.loadscopereorder = False
+
     class LoadFileSharingRoles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid)
-            return "session roles" if module in SHARES_ROLES else module
+            return work_unit(super()._split_scope(nodeid))
 
     return LoadFileSharingRoles(config, log)
 
@@ -163,6 +196,38 @@ def initial_roles(roles, initial_checkpoint):
     For tests that measure learning: from another starting point the same steps learn less."""
     roles.learner.load_checkpoint(initial_checkpoint)
     return roles
+
+
+@pytest.fixture(scope="session")
+def warmed_policies():
+    """The learner checkpoints `warmed` saved, by warm-up: (folder, policy version)."""
+    return {}
+
+
+@pytest.fixture
+def warmed(initial_roles, warmed_policies, tmp_path_factory):
+    """`warm(cfg, train) -> version`: the session's roles after `cluster.loop.phases.warm_up`
+    of `train` under `cfg` from the initial weights. The first test to ask runs it and
+    checkpoints the learner; a later test with the same warm-up resumes from that checkpoint
+    (its weights, optimizer state and reference, pushed to the workers), the state the same
+    warm-up reaches again, without its hundreds of supervised steps and probes."""
+    from cluster.loop.phases import warm_up
+
+    def warm(cfg, train) -> int:
+        key = (repr(cfg.warmup), cfg.trainer.seed, tuple(p.prompt for p in train))
+        if key in warmed_policies:
+            folder, version = warmed_policies[key]
+            initial_roles.learner.load_checkpoint(folder)
+            initial_roles.channel.refresh_spec()
+            initial_roles.channel.push(version)
+            return version
+        version = warm_up(initial_roles, cfg, train)
+        folder = str(tmp_path_factory.mktemp("warmed_policy"))
+        initial_roles.learner.save_checkpoint(folder)
+        warmed_policies[key] = folder, version
+        return version
+
+    return warm
 
 
 @pytest.fixture(scope="module")

@@ -129,11 +129,10 @@ def test_streaming_partial_steps_train_every_issued_prompt_once(roles, system_cf
     assert roles.rollout.versions() == [version, version]
 
 
-def test_streaming_partial_rollouts_learn_the_built_in_task(initial_roles, system_cfg):
+def test_streaming_partial_rollouts_learn_the_built_in_task(initial_roles, warmed, system_cfg):
     """The async learning test's job (the default job's warm-up and batch, 20 steps) from the
     streaming source with partial rollouts, two steps issued ahead: held-out greedy accuracy on
     400 problems must rise by more than its sampling noise (`learned`)."""
-    from cluster.loop.phases import warm_up
     from cluster.loop.roles import evaluate
     from common.config import WarmupConfig
     from helpers import learned
@@ -146,7 +145,7 @@ def test_streaming_partial_rollouts_learn_the_built_in_task(initial_roles, syste
     cfg.warmup = WarmupConfig()
     roles = initial_roles
     heldout, train = load_problems(cfg.data, cfg.trainer.seed)
-    version = warm_up(roles, cfg, train)
+    version = warmed(cfg, train)
     before = evaluate(roles, heldout)
     batches = StreamingBatches(roles, PromptSampler(train, 0), cfg, 1, cfg.trainer.max_steps, 2)
     buffer, rows = RolloutBuffer(), []

@@ -169,7 +169,7 @@ def test_async_mode_never_trains_a_group_beyond_the_staleness_bound(roles, syste
     assert roles.rollout.versions() == [version, version]
 
 
-def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
+def test_async_mode_learns_the_built_in_task(initial_roles, warmed, system_cfg):
     """From the default job's warm-up (stopped by its probe), 20 async GRPO steps of the default
     job's batch (64 prompts x 8) must lift held-out greedy accuracy on 400 problems by more than
     its sampling noise (`learned`: about 8 points here). Seeds 0-3 gained 19-29 points. (30 steps
@@ -185,7 +185,7 @@ def test_async_mode_learns_the_built_in_task(initial_roles, system_cfg):
     cfg.warmup = WarmupConfig()  # the default job's warm-up
     roles = initial_roles
     heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)
-    version = warm_up(roles, cfg, train_set)
+    version = warmed(cfg, train_set)
     before = evaluate(roles, heldout)
     batches = AsyncBatches(roles, PromptSampler(train_set, 0), cfg, 1, cfg.trainer.max_steps, 1)
     buffer, rows = RolloutBuffer(), []
