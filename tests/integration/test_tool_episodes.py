@@ -90,6 +90,9 @@ def worker(tool_model):
                         enforce_eager=True, dtype="float32")
     worker = GenerationWorker(tool_model, cfg, seed=0)
     yield worker
+    # The worker's tool threads and sandboxes live in this (the test) process: a later test of
+    # this worker process counts what is left of them (tests/unit/test_tools.py).
+    worker.tools.close()
     os.environ.pop("GRPO_SECRET", None)
     Path(SECRET_FILE).unlink(missing_ok=True)
     # An eager CPU engine turns torch.compile off in its process (rollout/worker.py no_compile):
