@@ -1,5 +1,6 @@
 """A generation actor whose vLLM engine died exits (Ray then restarts it with a fresh engine);
-any other error is raised as before (rollout/worker.py)."""
+any other error is raised as before (rollout/worker.py). It raises vLLM's own EngineDeadError,
+whose import loads the whole of vLLM: that makes it an integration test."""
 from __future__ import annotations
 
 import pytest
