@@ -172,6 +172,12 @@ def worker(system_cfg, taught, tmp_path_factory):
     yield worker, tap
     worker.agents.close()
     worker.endpoint.close()
+    # vLLM's process group lives in this (the test) process: a later test that forks it would
+    # inherit the group (tests/unit/test_adv_std.py).
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    worker.__dict__.clear()
+    cleanup_dist_env_and_memory()
     import torch._dynamo
 
     torch._dynamo.config.disable = False

@@ -93,6 +93,11 @@ def worker(tool_model):
     # The worker's tool threads and sandboxes live in this (the test) process: a later test of
     # this worker process counts what is left of them (tests/unit/test_tools.py).
     worker.tools.close()
+    # And vLLM's process group: a later test that forks this process would inherit it.
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    worker.__dict__.clear()
+    cleanup_dist_env_and_memory()
     os.environ.pop("GRPO_SECRET", None)
     Path(SECRET_FILE).unlink(missing_ok=True)
     # An eager CPU engine turns torch.compile off in its process (rollout/worker.py no_compile):

@@ -83,7 +83,11 @@ def test_global_std_spans_the_ranks():
     """The batch std of learner/update.py: both ranks' rewards together, in either convention,
     equal torch.std over the whole batch (not a mean of the per-rank stds)."""
     shares = [[1.0, 0.0, 0.0, 1.0], [3.0, 3.0, 0.5, 0.25, 2.0, 1.0]]
-    context = multiprocessing.get_context("fork")  # torch is imported already: a fork starts in ms
+    import torch.distributed as dist
+
+    # torch is imported already: a fork starts in ms. Not when this process holds a default
+    # process group (an engine an earlier test built in it): a fork would inherit it.
+    context = multiprocessing.get_context("spawn" if dist.is_initialized() else "fork")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         ranks = [context.Process(target=_global_std_rank, args=(rank, f"{folder}/store", shares, results))
