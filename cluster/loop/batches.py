@@ -146,6 +146,7 @@ TOOL_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_secon
 
 
 ENGINE_STATS = ("time_engine", "engine_slots", "sampled_tokens")
+ENGINE_COUNTS = ("engine_steps", *ENGINE_STATS)  # what each engine call reports of its steps
 
 
 def engine_metrics(totals: Dict[str, float]) -> Dict[str, float]:
@@ -155,7 +156,7 @@ def engine_metrics(totals: Dict[str, float]) -> Dict[str, float]:
     before it trained has no steps of its own). Sampled tokens are the engines' own count:
     a tool episode's observation tokens are not among them, and a streaming sample's tokens
     count in the interval whose steps sampled them."""
-    out = {key: totals.get(key, 0.0) for key in ("engine_steps", "time_engine", "engine_slots", "sampled_tokens")}
+    out = {key: totals.get(key, 0.0) for key in ENGINE_COUNTS}
     if totals.get("engine_slots") and totals.get("time_engine"):
         out["slot_occupancy"] = totals.get("sampled_tokens", 0.0) / totals["engine_slots"]
         out["tokens_per_s_engine"] = totals.get("sampled_tokens", 0.0) / totals["time_engine"]

@@ -35,7 +35,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 import ray
 
-from cluster.loop.batches import (AGENT_STATS, TOOL_STATS, Batch, engine_metrics, episode_metrics, filled_batch,
+from cluster.loop.batches import (AGENT_STATS, ENGINE_COUNTS, TOOL_STATS, Batch, engine_metrics, episode_metrics, filled_batch,
                                   generation_requests, reseeded)
 from common import seeds
 from common.messages import GenerationRequest, RestartEvent, StreamReport
@@ -128,8 +128,7 @@ class StreamingBatches:
     @staticmethod
     def _new_interval() -> Dict[str, Any]:
         """What the engines did since the last batch was handed out (the sampled side)."""
-        return {"lengths": [], "engine_steps": 0.0, "time_engine": 0.0, "engine_slots": 0.0,
-                "sampled_tokens": 0.0}
+        return {"lengths": [], **{key: 0.0 for key in ENGINE_COUNTS}}
 
     # ----- issuing (under self.cond)
 
@@ -207,7 +206,7 @@ class StreamingBatches:
                 ticket.version, ticket.newest, ticket.lengths, ticket.version_tokens = version, newest, lengths, tokens
                 self.inflight[w].discard(number)
                 self.interval["lengths"] += list(lengths)
-            for key in ("engine_steps", "time_engine", "engine_slots", "sampled_tokens"):
+            for key in ENGINE_COUNTS:
                 self.interval[key] += report.stats.get(key, 0.0)
             self.cond.notify_all()
 
@@ -231,7 +230,7 @@ class StreamingBatches:
                 ticket.version_tokens = ((version, int(tokens)),)
                 ticket.episode_stats = {key: report.stats.get(key, 0.0) / len(take) for key in episode_keys}
                 self.inflight[w].discard(ticket.number)
-            for key in ("engine_steps", "time_engine", "engine_slots", "sampled_tokens"):
+            for key in ENGINE_COUNTS:
                 self.interval[key] += report.stats.get(key, 0.0)
             self.cond.notify_all()
 
