@@ -91,7 +91,7 @@ class LearnerRank:
             # Set by the driver for the mode and the node's CPUs (cluster/loop/launch.plan_threads);
             # 0 (a caller that plans nothing) keeps the old one thread per rank.
             torch.set_num_threads(max(self.cfg.num_threads, 1))
-        import deepspeed
+        deepspeed = engines.import_deepspeed()
 
         if not self.on_gpu:
             # DeepSpeed's CPU backend JIT-loads a shared-memory all-reduce op at start-up, used

@@ -16,6 +16,26 @@ import torch
 from common.config import AlgoConfig, LearnerConfig
 
 
+def import_deepspeed():
+    """`import deepspeed`, without the MLflow import that DeepSpeed's autotuner makes at its
+    own import when MLflow is installed (the `mlflow` logger's extra): MLflow's import is most
+    of DeepSpeed's (`python -X importtime -c "import deepspeed"`) and every learner rank paid it
+    at start for `deepspeed --autotuning`, which this learner never runs. A process that imported
+    MLflow before keeps it; one that imports it later gets it."""
+    import sys
+
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: the autotuner goes without
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     """`override` over `base`, recursively for nested dicts (DeepSpeed settings from the config)."""
     out = dict(base)

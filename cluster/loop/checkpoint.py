@@ -275,6 +275,9 @@ def _fp32_state_dict(learner_dir: Path) -> Dict[str, Any]:
     own zero_to_fp32; without ZeRO (stage 0) the model file already holds them."""
     tag_dir = learner_dir / "ds"
     if list(tag_dir.glob("*optim_states.pt")) and list(tag_dir.glob("zero_pp_rank_*")):
+        from learner.engines import import_deepspeed
+
+        import_deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(learner_dir), tag="ds")

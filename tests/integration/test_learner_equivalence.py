@@ -517,3 +517,20 @@ def test_zero_offload_trains_two_steps_like_zero2(learners, system_cfg, batch, r
         assert (diff <= bound).all(), f"{k}: two steps differ by {float((diff - bound).max()):.2e} over the bound"
     assert any(float(u.abs().max()) > 0.5 for u in offload.values()), "the offloaded steps moved the weights"
     assert metrics[0]["loss"] == plain_metrics[0]["loss"]  # the same weights, batch and computation
+
+
+def test_a_rank_starts_without_importing_mlflow_and_can_still_import_it(learners, system_cfg):
+    """DeepSpeed's autotuner imports MLflow at DeepSpeed's import when it is installed (the
+    `mlflow` logger's extra): a rank goes without it (learner/engines.py import_deepspeed), as
+    its start need not pay for a package it never uses, and a later `import mlflow` still works."""
+    def mlflow_imports(_rank) -> tuple:
+        import sys
+
+        before = "mlflow" in sys.modules
+        import mlflow
+
+        return before, mlflow.__name__
+
+    with learners.learner(system_cfg.model.path, replace(system_cfg.learner, num_ranks=1), system_cfg.algo,
+                          system_cfg.rollout.max_new_tokens, 0) as learner:
+        assert probe(learner, mlflow_imports) == [(False, "mlflow")]
