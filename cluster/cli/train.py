@@ -27,8 +27,10 @@ def train(cfg: Config) -> Dict[str, object]:
     with heap.without_full_collections():
         heldout, train_set = load_problems(cfg.data, cfg.trainer.seed)
         check_inputs(cfg, train_set)
-        model_path = resolve_model(cfg)
+        # Before the model: a layout this machine cannot hold answers in a second, not after
+        # the built-in model is built or a hub model downloaded.
         check_local_resources(cfg)
+        model_path = resolve_model(cfg)
         heldout, train_set, inputs = prepare_prompts(cfg, model_path, heldout, train_set)
         # The run's modules (Ray, and the roles' callers) only now: every input is known good.
         from cluster.loop.training import run_job

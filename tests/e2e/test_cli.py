@@ -163,7 +163,7 @@ def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
     """A local Ray with 2 fake GPUs. The default rollout.num_gpus_per_worker=0 would put every
     engine on GPU 0 of each node; VLLM_BATCH_INVARIANT pins NCCL settings the sender does not
     share. Either stops the run with exit 2 and one line, before Ray starts (its GPUs are
-    known: ray.num_gpus)."""
+    known: ray.num_gpus) and before the model is resolved."""
     args, env, words = [], {}, "the cluster has 2 GPUs but rollout.num_gpus_per_worker=0"
     if case == "batch-invariant engines":
         args, env, words = ["rollout.num_gpus_per_worker=1"], {"VLLM_BATCH_INVARIANT": "1"}, "VLLM_BATCH_INVARIANT=1"
@@ -175,6 +175,7 @@ def test_gpu_layouts_refused_on_a_gpu_cluster_before_any_actor(tmp_path, case):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr
     assert "Ray" not in result.stdout
+    assert not (tmp_path / "models").exists()  # answered before the built-in model was built
 
 
 def test_a_joined_gpu_cluster_refuses_a_cpu_learner_before_any_actor(tmp_path, model_cache):
