@@ -35,7 +35,8 @@ def agent_run(model_cache, tmp_path_factory):
     overrides = small_overrides(model_cache, str(out)) + [
         "data=mul_agent", "trainer.run_name=agent", "trainer.eval_every=0", "warmup.steps=0",
         "trainer.mode=async", "rollout.agent_concurrency=8", "rollout.num_workers=1", "reward.num_workers=1",
-        "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2", "trainer.save_every=1", "trainer.max_steps=2"]
+        "learner.num_ranks=1", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2", "trainer.save_every=1",
+        "trainer.max_steps=2"]
     straight = run(GRPO, "train", *overrides)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     run_dir = out / "agent"

@@ -34,7 +34,9 @@ def runs(model_cache, tmp_path_factory):
     """(the script's run folder, the command line's run folder)."""
     out = tmp_path_factory.mktemp("python-trainer")
     common = [o for o in small_overrides(model_cache, str(out)) if not o.startswith("logger=")]
-    common += [f"trainer.max_steps={STEPS}", "trainer.eval_every=1", "eval.n=2"]
+    # One engine, verifier and learner rank: the two entry points, not the pools, are compared.
+    common += [f"trainer.max_steps={STEPS}", "trainer.eval_every=1", "eval.n=2", "rollout.num_workers=1",
+               "reward.num_workers=1", "learner.num_ranks=1"]
     script = run(sys.executable, str(ROOT / "examples" / "train_from_python.py"), *common,
                  "trainer.run_name=script", "logger=[tensorboard,mlflow]")
     assert script.returncode == 0, script.stdout[-3000:] + script.stderr[-3000:]

@@ -28,9 +28,10 @@ def test_a_tool_run_composes_with_async_dynamic_sampling_and_resume(tmp_path, mo
     overrides = small_overrides(model_cache, str(tmp_path)) + [
         "data=mul", "rollout.tools=[calculator]", "trainer.mode=async", "algo.dynamic_sampling=true",
         "trainer.save_every=1", "trainer.run_name=tools", "trainer.eval_every=0", "warmup.steps=30",
-        # One engine and one verifier: what is tested is one actor's episodes, not the pools' (the
-        # suite is CPU-bound, and each engine costs ~10 CPU-s of imports per run).
-        "rollout.num_workers=1", "reward.num_workers=1"]
+        # One engine, one verifier and one learner rank: what is tested is one actor's episodes,
+        # not the pools' or the ranks' (the suite is CPU-bound, and each engine and rank costs
+        # ~10 CPU-s of imports per run).
+        "rollout.num_workers=1", "reward.num_workers=1", "learner.num_ranks=1"]
     first = run(GRPO, "train", *overrides, "trainer.max_steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = run(GRPO, "train", *overrides, "trainer.max_steps=3", "trainer.resume=auto")
@@ -53,7 +54,7 @@ def test_a_tool_run_streams_by_the_episode_and_trains_each_sample_once(tmp_path,
     overrides = small_overrides(model_cache, str(tmp_path)) + [
         "data=mul", "rollout.tools=[calculator]", "trainer.mode=async", "rollout.streaming=true",
         "trainer.async_lookahead=2", "algo.max_staleness=2", "trainer.run_name=streamed", "trainer.eval_every=0",
-        "warmup.steps=30", "rollout.num_workers=1", "reward.num_workers=1", "trainer.max_steps=3"]
+        "warmup.steps=30", "rollout.num_workers=1", "reward.num_workers=1", "learner.num_ranks=1", "trainer.max_steps=3"]
     result = run(GRPO, "train", *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "streamed" / "metrics.jsonl").read_text().splitlines()]
