@@ -4,9 +4,11 @@ the adapters), and held-out greedy accuracy must rise by more than its sampling 
 run's final model is its last checkpoint's `grpo export --merged`, and the checkpoint's adapter
 folder is the final model's.
 
-Settings (bench/default_run.py with these overrides, docs/learner.md "LoRA"): 20 steps of the
-default batch (64 prompts x 8) at the default learner.lr gained 18.5, 14.2 and 17.5 points for
-seeds 0-2 on 400 held-out problems, where `learned` asks for about 8.
+Settings (bench/default_run.py with these overrides, docs/learner.md "LoRA"): steps of the
+default batch (64 prompts x 8) at the default learner.lr. Held-out gains on 400 problems for
+seeds 0-3, where `learned` asks for 7.5-8.2 points: 12 steps (this test, seed 0; one engine)
+gained 14.5, 12.5, 13.5 and 16.5 points; 20 steps (two engines) gained 18.0, 15.2, 17.0 and
+18.5, their step 12 (of the 20-step schedule) 16.5, 12.0, 14.0 and 16.2.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from helpers import GRPO, learned, run
 
-STEPS = 20
+STEPS = 12
 LR = "7e-4"
 HELDOUT = 400
 
@@ -34,7 +36,10 @@ def test_grpo_on_lora_adapters_learns_the_built_in_task(tmp_path, model_cache):
                  f"trainer.save_every={STEPS}", f"data.heldout_size={HELDOUT}", "learner.lora.rank=16",
                  f"learner.lr={LR}", "learner.zero_stage=3", "rollout.dtype=float32",
                  # Other tests' engines run beside these: the default 1 GiB of KV cache each is too much.
-                 "rollout.kv_cache_gib=0.25")
+                 "rollout.kv_cache_gib=0.25",
+                 # One engine and one verifier: seeded samples are the same whichever engine draws
+                 # them, and the pools are the session roles' tests; an engine costs ~10 CPU-s to start.
+                 "rollout.num_workers=1", "reward.num_workers=1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "lora"
     summary = json.loads((run_dir / "summary.json").read_text())
