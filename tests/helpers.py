@@ -66,6 +66,21 @@ def learned(before: float, after: float, n: int, z: float = 2.5) -> bool:
     return after - before > z * max(se, 1 / n)
 
 
+def release_in_process_engine(worker) -> None:
+    """Undo what a GenerationWorker built in the test process leaves in it, once its own tools
+    or agents are closed: vLLM's default process group (a later test that forks this process
+    would inherit it: tests/unit/test_adv_std.py) and the torch.compile switch an eager CPU
+    engine turns off (rollout/worker.py no_compile), which later tests should not depend on."""
+    import torch._dynamo
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    worker.__dict__.clear()
+    cleanup_dist_env_and_memory()
+    torch._dynamo.config.disable = False
+    for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
+        os.environ.pop(name, None)
+
+
 PROMPTS = ["47+85=", "12+34=", "99+99=", "50+7=", "3+4="]
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import EngineTap, seeded
+from helpers import EngineTap, release_in_process_engine, seeded
 
 SPEC = [{"type": "function", "function": {"name": "calc", "description": "integer arithmetic", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -172,17 +172,7 @@ def worker(system_cfg, taught, tmp_path_factory):
     yield worker, tap
     worker.agents.close()
     worker.endpoint.close()
-    # vLLM's process group lives in this (the test) process: a later test that forks it would
-    # inherit the group (tests/unit/test_adv_std.py).
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    worker.__dict__.clear()
-    cleanup_dist_env_and_memory()
-    import torch._dynamo
-
-    torch._dynamo.config.disable = False
-    for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
-        os.environ.pop(name, None)
+    release_in_process_engine(worker)
 
 
 def use_agent(worker, name: str, timeout_s: float = 20.0):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.sandbox import _hidden_paths, _kept_paths
-from helpers import EngineTap, seeded
+from helpers import EngineTap, release_in_process_engine, seeded
 
 HOME = os.path.realpath(os.path.expanduser("~"))
 SECRET_FILE = f"/tmp/gs{os.getpid()}"
@@ -93,20 +93,9 @@ def worker(tool_model):
     # The worker's tool threads and sandboxes live in this (the test) process: a later test of
     # this worker process counts what is left of them (tests/unit/test_tools.py).
     worker.tools.close()
-    # And vLLM's process group: a later test that forks this process would inherit it.
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    worker.__dict__.clear()
-    cleanup_dist_env_and_memory()
+    release_in_process_engine(worker)
     os.environ.pop("GRPO_SECRET", None)
     Path(SECRET_FILE).unlink(missing_ok=True)
-    # An eager CPU engine turns torch.compile off in its process (rollout/worker.py no_compile):
-    # this one is the test process, whose later tests should not depend on it having run.
-    import torch._dynamo
-
-    torch._dynamo.config.disable = False
-    for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"):
-        os.environ.pop(name, None)
 
 
 def generate(worker, prompts, n=1, greedy=True):
