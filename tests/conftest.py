@@ -26,9 +26,14 @@ from helpers import small_overrides  # noqa: E402
 TIERS = ("unit", "integration", "e2e")
 
 
-# The modules that use the session's actors (`roles`): one work unit under `--dist loadfile`.
-SHARES_ROLES = ("tests/integration/test_system.py", "tests/integration/test_weight_sync.py",
-                "tests/integration/test_streaming.py")
+# The modules that use the session's shared actors: the learner pool (`learners`), the reference
+# engines (`fresh_engines`) and the roles (`roles`). Under `--dist loadfile` they are one work
+# unit, in this order, so that each of the three starts once per suite: a shared fixture is shut
+# down once no later test of its unit asks for it (pytest_runtest_teardown).
+SHARES_ACTORS = ("tests/integration/test_learner_equivalence.py", "tests/integration/test_ppo_learner.py",
+                 "tests/integration/test_tensor_parallel.py", "tests/integration/test_lora.py",
+                 "tests/integration/test_weight_sync.py", "tests/integration/test_system.py",
+                 "tests/integration/test_streaming.py")
 ROOT = Path(__file__).resolve().parents[1]
 # The last full run's seconds per test file (bench/suite_durations.py writes it).
 DURATIONS = ROOT / "bench" / "results" / "suite.json"
@@ -36,14 +41,31 @@ DURATIONS = ROOT / "bench" / "results" / "suite.json"
 
 def pytest_collection_modifyitems(config, items):
     """Each test is marked with its tier, the folder it lives in (`pytest -m unit`), and the
-    work units (modules, SHARES_ROLES as one) are ordered longest first by the last full run's
-    seconds, so that under `-n 2` no worker is left alone with a long unit at the end."""
+    work units (modules, SHARES_ACTORS as one) are ordered longest first by the last full run's
+    seconds, so that under `-n 2` no worker is left alone with a long unit at the end; within
+    SHARES_ACTORS, in its order."""
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
     seconds = unit_seconds(DURATIONS)
-    items.sort(key=lambda item: -seconds.get(work_unit(_module(item)), float("inf")))
+    items.sort(key=lambda item: (-seconds.get(work_unit(_module(item)), float("inf")), _shared_order(_module(item))))
+    later, unit = frozenset(), None
+    for item in reversed(items):
+        if work_unit(_module(item)) != unit:
+            later, unit = frozenset(), work_unit(_module(item))
+        item.stash[LATER] = later
+        later = later | SHARED.intersection(item.fixturenames)
+
+
+# The fixtures of the shared actors, and (in each test's stash) those that a later test of the
+# test's work unit asks for.
+SHARED = frozenset({"learners", "fresh_engines", "roles"})
+LATER = pytest.StashKey[frozenset]()
+
+
+def _shared_order(module: str) -> int:
+    return SHARES_ACTORS.index(module) if module in SHARES_ACTORS else 0
 
 
 def _module(item) -> str:
@@ -51,7 +73,7 @@ def _module(item) -> str:
 
 
 def work_unit(module: str) -> str:
-    return "session roles" if module in SHARES_ROLES else module
+    return "shared actors" if module in SHARES_ACTORS else module
 
 
 def unit_seconds(path: Path) -> dict:
@@ -70,9 +92,9 @@ def unit_seconds(path: Path) -> dict:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (what `make test` runs) as pytest-xdist has it, one module per work unit
-    so that a module's fixtures start once, except that the modules in SHARES_ROLES are one
-    unit: the session's engines, verifiers and learner then start once per suite, not once per
-    worker. (xdist's own `loadgroup` cannot do this under pytest 9.2: it renames the tests
+    so that a module's fixtures start once, except that the modules in SHARES_ACTORS are one
+    unit: the session's learner pool, reference engines and roles then start once per suite,
+    not once per worker or module. (xdist's own `loadgroup` cannot do this under pytest 9.2: it renames the tests
     through an attribute pytest no longer reads.)"""
     if config.getvalue("dist") != "loadfile":
         return None
@@ -126,11 +148,11 @@ def initial_checkpoint(tmp_path_factory):
 
 class SessionRoles:
     """The session's roles, started when a test first asks for them and shut down as soon as
-    the next test this worker runs does not use them (pytest_runtest_teardown below), not at
-    the session's end: idle, two engines, two learner ranks and two verifiers still use a ninth
+    no later test of the work unit (nor the next test this worker runs) uses them
+    (pytest_runtest_teardown below), not at the session's end: idle, two engines, two learner ranks and two verifiers still use a ninth
     to a seventh of a core (3.3-4.3 CPU-s per 30 s, bench/idle_costs.py roles; an engine's gloo transport threads wake every
     10 ms, each Ray worker polls) for the rest of the suite. Under `make test` their tests run
-    as one block (SHARES_ROLES), so they start once; a run that interleaves other modules
+    as one block (SHARES_ACTORS), so they start once; a run that interleaves other modules
     between them starts them again. A start that failed is not tried again: every later test
     that asks gets its error."""
 
@@ -162,13 +184,16 @@ class SessionRoles:
             roles.shutdown()
 
 
-_session_roles: SessionRoles | None = None  # set by `session_roles`, for the teardown hook
+# The session's shared actors, by the fixture a test asks for them with, and what shuts them
+# down: the teardown hook below does as soon as the next test does not ask for that fixture (see
+# SessionRoles). Each starts again when a later test asks.
+_shared: dict = {}
 
 
 @pytest.fixture(scope="session")
 def session_roles(ray_session, system_cfg, initial_checkpoint):
-    global _session_roles
-    holder = _session_roles = SessionRoles(system_cfg, initial_checkpoint)
+    holder = SessionRoles(system_cfg, initial_checkpoint)
+    _shared["roles"] = holder.close
     yield holder
     holder.close()
 
@@ -180,13 +205,15 @@ def roles(session_roles):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a test's own fixtures are torn down: shut the session's roles down when the next
-    test does not use them (see SessionRoles)."""
+    """After a test's own fixtures are torn down: shut each of the session's shared actors down
+    when neither the next test nor a later one of this test's work unit uses them (see
+    SessionRoles)."""
     try:
         return (yield)
     finally:
-        if _session_roles is not None and (nextitem is None or "roles" not in nextitem.fixturenames):
-            _session_roles.close()
+        for fixture, close in _shared.items():
+            if nextitem is None or (fixture not in nextitem.fixturenames and fixture not in item.stash.get(LATER, ())):
+                close()
 
 
 @pytest.fixture
@@ -230,23 +257,25 @@ def warmed(initial_roles, warmed_policies, tmp_path_factory):
     return warm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def learners(ray_session):
-    """Learner groups rebuilt in place for each configuration (tests/learner_pool.py), one pool
-    per module."""
+    """Learner groups rebuilt in place for each configuration (tests/learner_pool.py), shared
+    by the modules of SHARES_ACTORS that run one after another."""
     from learner_pool import LearnerPool
 
     pool = LearnerPool()
+    _shared["learners"] = pool.shutdown
     yield pool
     pool.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fresh_engines(ray_session):
-    """Engines built from saved weights for comparisons, rebuilt in one process per module
-    (tests/reference_engine.py)."""
+    """Engines built from saved weights for comparisons, rebuilt in one process
+    (tests/reference_engine.py), shared like `learners`."""
     from reference_engine import ReferenceEngines
 
     engines = ReferenceEngines()
+    _shared["fresh_engines"] = engines.shutdown
     yield engines
     engines.shutdown()

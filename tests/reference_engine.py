@@ -2,14 +2,14 @@
 
 Most of an engine's start is its process importing vLLM, torch and transformers (measured in
 one process: the first engine for the built-in model cost 5.1-9.5 CPU-s, a second one 1.0-1.1;
-bench/idle_costs.py rebuild), and
-tests/integration/test_weight_sync.py compares four pushes with four fresh engines.
-`ReferenceEngines` starts one actor per module and builds each engine in it from the saved
-folder: a new `LLM` that reads the weights from disk, after vLLM's own clean-up of the last one
-(`cleanup_dist_env_and_memory`, what vLLM's tests run between engines in one process). What
-carries over is process state (imported code, compile caches, thread settings, environment),
-not weights: each case saves other weights, so an engine that kept the last one's would fail
-the comparison rather than pass it.
+bench/idle_costs.py rebuild), and tests/integration/test_weight_sync.py compares four pushes
+with four fresh engines. `ReferenceEngines` starts one actor for the tests that run one after
+another with it, and builds each engine in it from the saved folder: a new `LLM` that reads the
+weights from disk, after vLLM's own clean-up of the last one (`cleanup_dist_env_and_memory`,
+what vLLM's tests run between engines in one process). What carries over is process state
+(imported code, compile caches, thread settings, environment), not weights: each case saves
+other weights, so an engine that kept the last one's would fail the comparison rather than
+pass it.
 """
 from __future__ import annotations
 
