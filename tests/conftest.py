@@ -52,8 +52,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (-seconds.get(work_unit(_module(item)), float("inf")), _shared_order(_module(item))))
     later, unit = frozenset(), None
     for item in reversed(items):
-        if work_unit(_module(item)) != unit:
-            later, unit = frozenset(), work_unit(_module(item))
+        if (this := work_unit(_module(item))) != unit:
+            later, unit = frozenset(), this
         item.stash[LATER] = later
         later = later | SHARED.intersection(item.fixturenames)
 
@@ -94,8 +94,8 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (what `make test` runs) as pytest-xdist has it, one module per work unit
     so that a module's fixtures start once, except that the modules in SHARES_ACTORS are one
     unit: the session's learner pool, reference engines and roles then start once per suite,
-    not once per worker or module. (xdist's own `loadgroup` cannot do this under pytest 9.2: it renames the tests
-    through an attribute pytest no longer reads.)"""
+    not once per worker or module. (xdist's own `loadgroup` cannot do this under pytest 9.2:
+    it renames the tests through an attribute pytest no longer reads.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -149,8 +149,8 @@ def initial_checkpoint(tmp_path_factory):
 class SessionRoles:
     """The session's roles, started when a test first asks for them and shut down as soon as
     no later test of the work unit (nor the next test this worker runs) uses them
-    (pytest_runtest_teardown below), not at the session's end: idle, two engines, two learner ranks and two verifiers still use a ninth
-    to a seventh of a core (3.3-4.3 CPU-s per 30 s, bench/idle_costs.py roles; an engine's gloo transport threads wake every
+    (pytest_runtest_teardown below), not at the session's end: idle, two engines, two learner
+    ranks and two verifiers still use a ninth to a seventh of a core (3.3-4.3 CPU-s per 30 s, bench/idle_costs.py roles; an engine's gloo transport threads wake every
     10 ms, each Ray worker polls) for the rest of the suite. Under `make test` their tests run
     as one block (SHARES_ACTORS), so they start once; a run that interleaves other modules
     between them starts them again. A start that failed is not tried again: every later test
@@ -185,7 +185,7 @@ class SessionRoles:
 
 
 # The session's shared actors, by the fixture a test asks for them with, and what shuts them
-# down: the teardown hook below does as soon as the next test does not ask for that fixture (see
+# down: the teardown hook below does once no later test of the unit asks for that fixture (see
 # SessionRoles). Each starts again when a later test asks.
 _shared: dict = {}
 
