@@ -125,11 +125,18 @@ def _default_run(records: List[dict]) -> str:
 
 
 def _suite(records: List[dict], slowest: int = 15) -> str:
-    """`bench/suite_durations.py`: pytest's total, the outcomes, seconds per tier, the slowest tests."""
+    """`bench/suite_durations.py`: pytest's total, the outcomes, seconds per tier, the totals of the
+    commit's runs kept with `--earlier` and their median, the slowest tests."""
     s = records[0]["summary"]
     outcomes = ", ".join(f"{n} {kind}" for kind, n in sorted(s["outcomes"].items()))
     tiers = ", ".join(f"{tier} {sec:,.0f} s" for tier, sec in sorted(s["tier_seconds"].items()))
-    rows = [f"{s['tests']} tests ({outcomes}); pytest's total {s['pytest_seconds']} s; by tier: {tiers}.", "",
+    runs = s.get("pytest_seconds_runs") or []
+    over = ""
+    if len(runs) > 1:  # the budget is a median of runs: each run of this commit, with its host probe
+        each = "; ".join(f"{r['pytest_seconds']:,.1f} s ({r['host_probe']['before'] if r.get('host_probe') else 'no probe'})"
+                         for r in runs)
+        over = f" Runs of this commit: {each}; median {s['pytest_seconds_spread']['median']:,.1f} s."
+    rows = [f"{s['tests']} tests ({outcomes}); pytest's total {s['pytest_seconds']} s; by tier: {tiers}.{over}", "",
             "| test | seconds | outcome |", "| --- | --- | --- |"]
     rows += [f"| `{t['test']}` | {t['seconds']:.1f} | {t['outcome']} |" for t in records[0]["runs"][:slowest]]
     return "\n".join(rows)

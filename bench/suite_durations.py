@@ -2,18 +2,24 @@
 
     .venv/bin/python bench/suite_durations.py -- -n 2 tests          # runs pytest with these arguments
     .venv/bin/python bench/suite_durations.py --from-xml junit.xml --log pytest.log   # a run already made
+    .venv/bin/python bench/suite_durations.py --earlier other-clone/bench/results/suite.json -- -n 2 tests
 
 Runs pytest with `--junitxml` and `--durations` (unless given), and writes with bench/results_io.py:
 `runs`, every test with its seconds and outcome, the slowest first (from the JUnit XML:
 setup, call and teardown together, as pytest's XML counts them); `summary`: pytest's own total
 seconds (its last line), the wall seconds of the whole command, pass/fail/skip/error counts, the
 seconds per tier (tests/unit, tests/integration, tests/e2e) and per file, and the `--durations`
-table as pytest printed it. Exits with pytest's status.
+table as pytest printed it; around a run it makes, bench/cpu_floor.py's host probe before and
+after (this host's speed drifts: two totals compare only beside their probes). `--earlier` takes
+the suite.json of an earlier run of the same commit (another fresh clone, say) and keeps its total
+beside this run's, with their median: the suite's budget is a median of runs. Exits with pytest's
+status; 2 when an earlier file is of other code.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import subprocess
 import sys
@@ -95,25 +101,54 @@ def summarize(tests: list, log: dict, wall: float = None) -> dict:
             "file_seconds": dict(files.most_common()), "durations_table": log["durations_table"]}
 
 
+def earlier_runs(paths: list, sha: str) -> list:
+    """The pytest totals that earlier suite.json files hold (each file's own, and those it kept
+    from still earlier runs), oldest first; ValueError for a file of another commit or of
+    uncommitted changes, whose total measured other code."""
+    runs = []
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        if record["commit"]["sha"] != sha or record["commit"]["dirty"]:
+            state = "with uncommitted changes" if record["commit"]["dirty"] else f"of commit {record['commit']['sha']}"
+            raise ValueError(f"--earlier {path} is a run {state}, not of {sha}: only runs of the same code share a median")
+        runs += record["summary"].get("pytest_seconds_runs") or [this_run(record["summary"], record["date"]["end"])]
+    return runs
+
+
+def this_run(summary: dict, date: str) -> dict:
+    return {"pytest_seconds": summary["pytest_seconds"], "date": date, "host_probe": summary.get("host_probe")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from-xml", default=None, help="a JUnit XML file of a run already made (runs nothing)")
     parser.add_argument("--log", default=None, help="with --from-xml: that run's terminal output")
     parser.add_argument("--durations", type=int, default=50, help="pytest --durations, unless the arguments set it")
     parser.add_argument("--output", default=None, help="default bench/results/suite.json")
+    parser.add_argument("--earlier", action="append", default=[], metavar="SUITE_JSON",
+                        help="the suite.json of an earlier run of the same commit: its total is kept beside this "
+                             "run's, with their median (repeatable)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's arguments")
     args = parser.parse_args()
     from bench import results_io
 
     result = results_io.Result("suite")
+    try:
+        earlier = earlier_runs(args.earlier, result.record["commit"]["sha"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"suite_durations: {error}", file=sys.stderr)
+        return 2
     pytest_args = [a for a in args.pytest_args if a != "--"] if args.pytest_args[:1] == ["--"] else args.pytest_args
-    wall, status = None, 0
+    wall, status, probe = None, 0, None
     if args.from_xml:
         xml, text = Path(args.from_xml), Path(args.log).read_text() if args.log else ""
     else:
         xml = Path(tempfile.mkdtemp(prefix="suite-")) / "junit.xml"
         extra = [] if any(a.startswith("--durations") for a in pytest_args) else [f"--durations={args.durations}"]
         cmd = [sys.executable, "-m", "pytest", f"--junitxml={xml}", *extra, *pytest_args]
+        from bench.cpu_floor import host_probe
+
+        probe = {"before": host_probe()}
         start, out = time.monotonic(), []
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:  # shown as it comes and kept for the table
@@ -121,10 +156,14 @@ def main() -> int:
             out.append(line)
         status = proc.wait()
         wall, text = time.monotonic() - start, "".join(out)
+        probe["after"] = host_probe()
     tests = parse_xml(xml)
     for t in tests:
         result.add_run(t)
     summary = summarize(tests, parse_log(text), wall)
+    summary["host_probe"] = probe
+    summary["pytest_seconds_runs"] = earlier + [this_run(summary, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))]
+    summary["pytest_seconds_spread"] = results_io.spread(r["pytest_seconds"] for r in summary["pytest_seconds_runs"])
     result.write(summary, path=Path(args.output) if args.output else None)
     print(f"{summary['tests']} tests, {summary['outcomes']}; pytest's total {summary['pytest_seconds']} s, "
           f"the command {wall and round(wall)} s", file=sys.stderr)

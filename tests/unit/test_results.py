@@ -205,6 +205,33 @@ def test_the_default_run_and_suite_tables_render_from_their_files():
     table = render.TABLES["suite"][1]([suite])
     assert table.splitlines()[0] == "2 tests (1 failed, 1 passed); pytest's total 12.5 s; by tier: e2e 10 s, unit 2 s."
     assert table.splitlines()[-2] == "| `tests/e2e/test_x.py::test_a` | 10.0 | failed |"
+    suite["summary"]["pytest_seconds_runs"] = [
+        {"pytest_seconds": 14.0, "date": "d0", "host_probe": None},
+        {"pytest_seconds": 12.5, "date": "d1", "host_probe": {"before": "imports 3.50 CPU-s", "after": "x"}}]
+    suite["summary"]["pytest_seconds_spread"] = results_io.spread([14.0, 12.5])
+    assert render.TABLES["suite"][1]([suite]).splitlines()[0].endswith(
+        "unit 2 s. Runs of this commit: 14.0 s (no probe); 12.5 s (imports 3.50 CPU-s); median 13.2 s.")
+
+
+def test_earlier_suite_runs_join_only_when_they_measured_the_same_commit(tmp_path):
+    from bench.suite_durations import earlier_runs
+
+    def suite_file(name, sha, dirty=False, **summary):
+        path = tmp_path / name
+        path.write_text(json.dumps({"commit": {"sha": sha, "dirty": dirty}, "date": {"end": f"end-{name}"},
+                                    "summary": {"pytest_seconds": 100.0, **summary}}))
+        return str(path)
+
+    plain = suite_file("a.json", "abc")
+    assert earlier_runs([plain], "abc") == [{"pytest_seconds": 100.0, "date": "end-a.json", "host_probe": None}]
+    kept = [{"pytest_seconds": 90.0, "date": "d0", "host_probe": None},
+            {"pytest_seconds": 95.0, "date": "d1", "host_probe": None}]
+    chained = suite_file("b.json", "abc", pytest_seconds_runs=kept)  # a file that kept earlier runs passes them on
+    assert earlier_runs([plain, chained], "abc") == [earlier_runs([plain], "abc")[0], *kept]
+    with pytest.raises(ValueError, match="of commit def, not of abc"):
+        earlier_runs([suite_file("c.json", "def")], "abc")
+    with pytest.raises(ValueError, match="with uncommitted changes"):
+        earlier_runs([suite_file("d.json", "abc", dirty=True)], "abc")
 
 
 def test_a_jsonl_line_carries_its_command_and_the_load_around_the_run(tmp_path):
