@@ -32,9 +32,10 @@ test: install
 	$(BIN)/python -m learner.build_ops
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
 
-# The unit tier alone (pure logic, under a minute): for quick checks while editing.
+# The unit tier alone (pure logic, under a minute): for quick checks while editing. Two workers,
+# as `make test` runs: the tier's Hydra compositions and plots fill one core for most of a minute.
 test-unit: install
-	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/unit $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs wandb

@@ -133,8 +133,8 @@ def _suite(records: List[dict], slowest: int = 15) -> str:
     runs = s.get("pytest_seconds_runs") or []
     over = ""
     if len(runs) > 1:  # the budget is a median of runs: each run of this commit, with its host probe
-        each = "; ".join(f"{r['pytest_seconds']:,.1f} s ({r['host_probe']['before'] if r.get('host_probe') else 'no probe'})"
-                         for r in runs)
+        each = "; ".join(f"{r['pytest_seconds']:,.1f} s (host probe before it: "
+                         f"{r['host_probe']['before'] if r.get('host_probe') else 'none'})" for r in runs)
         over = f" Runs of this commit: {each}; median {s['pytest_seconds_spread']['median']:,.1f} s."
     rows = [f"{s['tests']} tests ({outcomes}); pytest's total {s['pytest_seconds']} s; by tier: {tiers}.{over}", "",
             "| test | seconds | outcome |", "| --- | --- | --- |"]

@@ -210,7 +210,8 @@ def test_the_default_run_and_suite_tables_render_from_their_files():
         {"pytest_seconds": 12.5, "date": "d1", "host_probe": {"before": "imports 3.50 CPU-s", "after": "x"}}]
     suite["summary"]["pytest_seconds_spread"] = results_io.spread([14.0, 12.5])
     assert render.TABLES["suite"][1]([suite]).splitlines()[0].endswith(
-        "unit 2 s. Runs of this commit: 14.0 s (no probe); 12.5 s (imports 3.50 CPU-s); median 13.2 s.")
+        "unit 2 s. Runs of this commit: 14.0 s (host probe before it: none); 12.5 s (host probe before it: imports "
+        "3.50 CPU-s); median 13.2 s.")
 
 
 def test_earlier_suite_runs_join_only_when_they_measured_the_same_commit(tmp_path):
