@@ -101,10 +101,13 @@ def summarize(tests: list, log: dict, wall: float = None) -> dict:
             "file_seconds": dict(files.most_common()), "durations_table": log["durations_table"]}
 
 
-def earlier_runs(paths: list, sha: str) -> list:
+def earlier_runs(paths: list, sha: str, dirty: bool = False) -> list:
     """The pytest totals that earlier suite.json files hold (each file's own, and those it kept
     from still earlier runs), oldest first; ValueError for a file of another commit or of
-    uncommitted changes, whose total measured other code."""
+    uncommitted changes, whose total measured other code, and for any when this checkout has
+    uncommitted changes."""
+    if paths and dirty:
+        raise ValueError(f"this checkout differs from {sha}: its run shares a median with no other")
     runs = []
     for path in paths:
         record = json.loads(Path(path).read_text())
@@ -134,7 +137,7 @@ def main() -> int:
 
     result = results_io.Result("suite")
     try:
-        earlier = earlier_runs(args.earlier, result.record["commit"]["sha"])
+        earlier = earlier_runs(args.earlier, result.record["commit"]["sha"], bool(result.record["commit"]["dirty"]))
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"suite_durations: {error}", file=sys.stderr)
         return 2

@@ -233,6 +233,9 @@ def test_earlier_suite_runs_join_only_when_they_measured_the_same_commit(tmp_pat
         earlier_runs([suite_file("c.json", "def")], "abc")
     with pytest.raises(ValueError, match="with uncommitted changes"):
         earlier_runs([suite_file("d.json", "abc", dirty=True)], "abc")
+    with pytest.raises(ValueError, match="this checkout differs from abc"):
+        earlier_runs([plain], "abc", dirty=True)
+    assert earlier_runs([], "abc", dirty=True) == []  # a lone run of a dirty tree is still recorded
 
 
 def test_a_jsonl_line_carries_its_command_and_the_load_around_the_run(tmp_path):
