@@ -93,7 +93,7 @@ def spread(values: Iterable[float]) -> Dict[str, Any]:
             "mean": statistics.fmean(values)}
 
 
-def _now() -> str:
+def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
@@ -104,7 +104,7 @@ class Result:
     def __init__(self, benchmark: str, argv: Optional[List[str]] = None):
         self.record: Dict[str, Any] = {
             "benchmark": benchmark, "command": command(argv), "commit": commit(),
-            "date": {"start": _now(), "end": None}, "host": host(),
+            "date": {"start": now(), "end": None}, "host": host(),
             "loadavg": {"before": loadavg(), "after": None}, "runs": [], "summary": {}}
 
     def add_run(self, run: Dict[str, Any]) -> None:
@@ -114,7 +114,7 @@ class Result:
         """Write the file (bench/results/<benchmark>.json unless `path`), replacing the earlier one."""
         self.record.update(extra)
         self.record["summary"] = summary
-        self.record["date"]["end"] = _now()
+        self.record["date"]["end"] = now()
         self.record["loadavg"]["after"] = loadavg()
         path = Path(path) if path else RESULTS / f"{self.record['benchmark']}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def append_jsonl(path: Path, run: Dict[str, Any], benchmark: str, before: List[f
                  argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Append one run to a JSONL result file, with everything a JSON result file records
     (`runs` holds this run alone, `summary` is empty: the renderer computes it from the lines)."""
-    meta = {"benchmark": benchmark, "command": command(argv), "commit": commit(), "date": {"end": _now()},
+    meta = {"benchmark": benchmark, "command": command(argv), "commit": commit(), "date": {"end": now()},
             "host": host(), "loadavg": {"before": before, "after": loadavg()}}
     record = {**meta, **{key: value for key, value in run.items() if key not in meta}}  # a run's own load: at its end
     with open(path, "a") as f:

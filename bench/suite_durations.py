@@ -113,7 +113,8 @@ def earlier_runs(paths: list, sha: str, dirty: bool = False) -> list:
         record = json.loads(Path(path).read_text())
         if record["commit"]["sha"] != sha or record["commit"]["dirty"]:
             state = "with uncommitted changes" if record["commit"]["dirty"] else f"of commit {record['commit']['sha']}"
-            raise ValueError(f"--earlier {path} is a run {state}, not of {sha}: only runs of the same code share a median")
+            raise ValueError(f"--earlier {path} is a run {state}, not of {sha}: "
+                             "only runs of the same code share a median")
         runs += record["summary"].get("pytest_seconds_runs") or [this_run(record["summary"], record["date"]["end"])]
     return runs
 
@@ -165,7 +166,7 @@ def main() -> int:
         result.add_run(t)
     summary = summarize(tests, parse_log(text), wall)
     summary["host_probe"] = probe
-    summary["pytest_seconds_runs"] = earlier + [this_run(summary, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))]
+    summary["pytest_seconds_runs"] = earlier + [this_run(summary, results_io.now())]
     summary["pytest_seconds_spread"] = results_io.spread(r["pytest_seconds"] for r in summary["pytest_seconds_runs"])
     result.write(summary, path=Path(args.output) if args.output else None)
     print(f"{summary['tests']} tests, {summary['outcomes']}; pytest's total {summary['pytest_seconds']} s, "

@@ -150,8 +150,9 @@ class SessionRoles:
     """The session's roles, started when a test first asks for them and shut down as soon as
     no later test of the work unit (nor the next test this worker runs) uses them
     (pytest_runtest_teardown below), not at the session's end: idle, two engines, two learner
-    ranks and two verifiers still use a ninth to a seventh of a core (3.3-4.3 CPU-s per 30 s, bench/idle_costs.py roles; an engine's gloo transport threads wake every
-    10 ms, each Ray worker polls) for the rest of the suite. Under `make test` their tests run
+    ranks and two verifiers still use a ninth to a seventh of a core (3.3-4.3 CPU-s per 30 s,
+    bench/idle_costs.py roles; an engine's gloo transport threads wake every 10 ms, each Ray
+    worker polls) for the rest of the suite. Under `make test` their tests run
     as one block (SHARES_ACTORS), so they start once; a run that interleaves other modules
     between them starts them again. A start that failed is not tried again: every later test
     that asks gets its error."""
